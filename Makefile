@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test`.
+# Each creates .venv and installs the project with the pinned versions in constraints.txt.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+WORK ?= work
+
+.PHONY: install demo test lint typecheck unit gpu-check clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/fp8rl demo --work-dir $(WORK)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) $(WORK) dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

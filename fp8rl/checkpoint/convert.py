@@ -1,0 +1,219 @@
+"""HF safetensors checkpoint -> FP8 checkpoint (and back), streamed shard by shard.
+
+Only the linear layers of decoder blocks are quantized (``formats.DECODER_LINEAR``);
+embeddings, lm_head, norms, biases and the configured BF16 layers keep their
+dtype.  One input shard is held in memory at a time, so peak memory follows the
+largest shard, not the model.  The destination is written to a temporary
+directory and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+import fp8rl
+from fp8rl.atomic import atomic_directory
+from fp8rl.checkpoint.formats import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES, quantization_config, scale_name
+from fp8rl.checkpoint.report import ConversionReport, TensorReport
+from fp8rl.checkpoint.shards import INDEX_NAME, CheckpointError, sha256_file, shard_layout, tree_digest
+from fp8rl.models.loading import read_model_config
+from fp8rl.quant import NonFiniteError, QuantSpec, quantize_weight
+
+SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MANIFEST_NAME = "fp8rl_manifest.json"
+REPORT_JSON = "fp8rl_conversion_report.json"
+REPORT_MD = "fp8rl_conversion_report.md"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What :func:`convert_checkpoint` produces (the checkpoint half of a precision recipe)."""
+
+    granularity: str = "block"
+    pow2_scales: bool = False
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+    weight_block: tuple[int, int] = (128, 128)
+    fmt: str = "e4m3"
+
+    def spec(self) -> QuantSpec:
+        return QuantSpec(
+            granularity=self.granularity,  # type: ignore[arg-type]
+            fmt=self.fmt,
+            weight_block=self.weight_block,
+            pow2_scales=self.pow2_scales,
+        )
+
+    def kept_layers(self, num_layers: int) -> set[int]:
+        """Decoder layer indices that stay in their original precision."""
+        first = set(range(min(self.bf16_first_layers, num_layers)))
+        last = set(range(max(num_layers - self.bf16_last_layers, 0), num_layers))
+        return first | last
+
+
+@dataclass
+class _Progress:
+    bar: Any
+    tensors: list[TensorReport] = field(default_factory=list)
+
+
+def _validate_source(src: Path) -> dict[str, Any]:
+    cfg = read_model_config(src)
+    if "quantization_config" in cfg:
+        method = cfg["quantization_config"].get("quant_method")
+        raise CheckpointError(f"{src / 'config.json'}: checkpoint is already quantized (quant_method={method!r})")
+    if opts_layers := cfg.get("num_hidden_layers"):
+        if not isinstance(opts_layers, int):
+            raise CheckpointError(f"{src / 'config.json'}: num_hidden_layers must be an integer")
+    else:
+        raise CheckpointError(f"{src / 'config.json'}: num_hidden_layers is missing")
+    return cfg
+
+
+def _check_tensor(t: torch.Tensor, name: str, file: Path) -> None:
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise CheckpointError(f"{file}: tensor {name} is already FP8 ({t.dtype}); the input must be bf16/fp16/fp32")
+    if t.dtype not in SOURCE_DTYPES:
+        raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {t.dtype}; expected bf16, fp16 or fp32")
+    if not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{file}: tensor {name} holds NaN or Inf values")
+
+
+def _convert_shard(
+    src_file: Path, dst_file: Path, opts: ConvertOptions, kept: set[int], progress: _Progress
+) -> dict[str, str]:
+    """Convert one shard; returns the output weight map entries (tensor -> file name)."""
+    spec = opts.spec()
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(str(src_file), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+            t = f.get_tensor(name)
+            _check_tensor(t, name, src_file)
+            match = DECODER_LINEAR.match(name)
+            if match is None or int(match["layer"]) in kept or t.dim() != 2:
+                out[name] = t
+                progress.bar.update(1)
+                continue
+            try:
+                q = quantize_weight(t, spec)
+            except NonFiniteError as e:  # pragma: no cover -- _check_tensor catches it first
+                raise CheckpointError(f"{src_file}: tensor {name}: {e}") from e
+            scale = q.scale_inv.reshape(1) if opts.granularity == "tensor" else q.scale_inv
+            out[name] = q.data
+            out[scale_name(match["module"], opts.granularity)] = scale
+            progress.tensors.append(TensorReport.measure(name, t, q))
+            progress.bar.update(1)
+    save_file(out, str(dst_file), metadata={"format": "pt"})
+    return {name: dst_file.name for name in out}
+
+
+def _not_converted(num_layers: int, kept: set[int]) -> list[str]:
+    names = ["lm_head"]
+    for layer in sorted(kept):
+        names += [f"model.layers.{layer}.{suffix}" for suffix in DECODER_LINEAR_SUFFIXES]
+    return names
+
+
+def _copy_side_files(src: Path, dst: Path, weight_files: set[str]) -> None:
+    for item in src.iterdir():
+        if item.name in weight_files or item.name in (INDEX_NAME, "config.json") or item.name.startswith("fp8rl_"):
+            continue
+        if item.is_file():
+            shutil.copy2(item, dst / item.name)
+
+
+def _source_hashes(src: Path, files: list[str]) -> dict[str, str]:
+    return {name: sha256_file(src / name) for name in [*files, "config.json"]}
+
+
+def write_manifest(dst: Path, extra: dict[str, Any]) -> None:
+    """sha256 of every file in ``dst`` (except the manifest itself) plus ``extra``."""
+    files = {p.name: sha256_file(p) for p in sorted(dst.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+    manifest = {
+        "tool": "fp8rl",
+        "tool_version": fp8rl.__version__,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **extra,
+        "files": files,
+    }
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    opts: ConvertOptions | None = None,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    on_shard: Callable[[str], None] | None = None,
+) -> ConversionReport:
+    """Convert the HF checkpoint at ``src`` to an FP8 checkpoint at ``dst``.
+
+    Raises :class:`CheckpointError` (or another :class:`fp8rl.errors.UserError`)
+    for bad input; ``dst`` is then left as it was.
+    """
+    opts = opts or ConvertOptions()
+    spec = opts.spec()  # validates granularity / format / blocks
+    src_path, dst_path = Path(src), Path(dst)
+    cfg = _validate_source(src_path)
+    layout = shard_layout(src_path)
+    num_layers = int(cfg["num_hidden_layers"])
+    kept = opts.kept_layers(num_layers)
+    n_tensors = 0
+    for file in layout.files:
+        with safe_open(str(src_path / file), framework="pt") as f:
+            n_tensors += len(list(f.keys()))
+
+    weight_map: dict[str, str] = {}
+    with atomic_directory(dst_path, overwrite=overwrite) as tmp:
+        bar = tqdm(total=n_tensors, desc=f"convert -> fp8 {opts.granularity}", unit="tensor", disable=not show_progress)
+        progress = _Progress(bar)
+        for file in layout.files:
+            weight_map.update(_convert_shard(src_path / file, tmp / file, opts, kept, progress))
+            if on_shard is not None:
+                on_shard(file)
+        bar.close()
+        if layout.sharded:
+            total = sum((tmp / f).stat().st_size for f in layout.files)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        cfg_out = dict(cfg)
+        cfg_out["quantization_config"] = quantization_config(
+            opts.granularity, opts.weight_block, _not_converted(num_layers, kept), opts.fmt
+        )
+        (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
+        _copy_side_files(src_path, tmp, set(layout.files))
+        report = ConversionReport(
+            source=str(src_path), options=dataclasses.asdict(opts), tensors=progress.tensors, kept_layers=sorted(kept)
+        )
+        report.bytes_before = sum((src_path / f).stat().st_size for f in layout.files)
+        report.bytes_after = sum((tmp / f).stat().st_size for f in layout.files)
+        (tmp / REPORT_JSON).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        (tmp / REPORT_MD).write_text(report.to_markdown())
+        source_hashes = _source_hashes(src_path, layout.files)
+        write_manifest(
+            tmp,
+            {
+                "kind": "fp8-checkpoint",
+                "source": {
+                    "path": str(src_path.resolve()),
+                    "sha256": tree_digest(source_hashes),
+                    "files": source_hashes,
+                },
+                "recipe": {**dataclasses.asdict(opts), "spec": dataclasses.asdict(spec)},
+            },
+        )
+    return report

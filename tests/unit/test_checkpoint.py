@@ -1,0 +1,222 @@
+"""FP8 checkpoint conversion: layout, report, manifest, dequantize, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from fp8rl.atomic import OutputExistsError
+from fp8rl.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointError,
+    ConvertOptions,
+    convert_checkpoint,
+    dequantize_checkpoint,
+)
+from fp8rl.checkpoint.shards import sha256_file
+from fp8rl.models import PRESETS, UnsupportedModelError
+from fp8rl.quant import QuantSpec, quantize_weight
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-odd"])
+def test_block_layout_matches_deepseek_vllm_format(tmp_path: Path, tiny_models: dict[str, Path], preset: str) -> None:
+    dst = tmp_path / "fp8"
+    convert_checkpoint(tiny_models[preset], dst, ConvertOptions(), show_progress=False)
+    src, out = all_tensors(tiny_models[preset]), all_tensors(dst)
+    qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "fp8" and qcfg["weight_block_size"] == [128, 128]
+    assert qcfg["activation_scheme"] == "dynamic" and qcfg["fmt"] == "e4m3"
+    assert qcfg["modules_to_not_convert"] == ["lm_head"] == qcfg["ignored_layers"]
+    n_quantized = 0
+    for name, t in src.items():
+        module = name.removesuffix(".weight")
+        if any(f".{lin}.weight" in name for lin in LINEARS):
+            n_quantized += 1
+            q, s = out[name], out[module + ".weight_scale_inv"]
+            assert q.dtype == torch.float8_e4m3fn and q.shape == t.shape
+            assert s.dtype == torch.float32
+            assert s.shape == (math.ceil(t.shape[0] / 128), math.ceil(t.shape[1] / 128))
+            ref = quantize_weight(t, QuantSpec())
+            assert torch.equal(q.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(s, ref.scale_inv)
+        else:
+            assert torch.equal(out[name], t) and out[name].dtype == t.dtype, name
+    assert n_quantized == 7 * PRESETS[preset].num_hidden_layers
+
+
+@pytest.mark.parametrize(("granularity", "scale_shape"), [("row", lambda o: (o, 1)), ("tensor", lambda o: (1,))])
+def test_row_and_tensor_use_compressed_tensors_layout(
+    tmp_path: Path, tiny_models: dict[str, Path], granularity: str, scale_shape
+) -> None:
+    dst = tmp_path / "fp8"
+    convert_checkpoint(tiny_models["tiny"], dst, ConvertOptions(granularity=granularity), show_progress=False)
+    qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    group = qcfg["config_groups"]["group_0"]
+    assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "float-quantized"
+    assert group["weights"]["strategy"] == ("channel" if granularity == "row" else "tensor")
+    assert group["input_activations"]["dynamic"] is True
+    out = all_tensors(dst)
+    w = out["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.float8_e4m3fn
+    assert out["model.layers.0.mlp.down_proj.weight_scale"].shape == scale_shape(w.shape[0])
+
+
+def test_bf16_layers_stay_and_are_listed(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    dst = tmp_path / "fp8"
+    opts = ConvertOptions(bf16_first_layers=1, bf16_last_layers=1)
+    report = convert_checkpoint(tiny_models["small-sharded"], dst, opts, show_progress=False)
+    out = all_tensors(dst)
+    assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert out["model.layers.3.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert out["model.layers.1.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    ignored = json.loads((dst / "config.json").read_text())["quantization_config"]["ignored_layers"]
+    assert "model.layers.0.self_attn.q_proj" in ignored and "model.layers.3.mlp.down_proj" in ignored
+    assert not any(".layers.1." in m or ".layers.2." in m for m in ignored)
+    assert report.kept_layers == [0, 3] and len(report.tensors) == 14
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(out)
+    for name, file in index.items():
+        with safe_open(str(dst / file), framework="pt") as f:
+            assert name in f.keys()  # noqa: SIM118
+
+
+def test_report_error_matches_e4m3_theory(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """RMS relative error of RNE to 3 mantissa bits, for values with log-uniform mantissa:
+    ulp/sqrt(12) * sqrt(E[1/m^2]) = 2^-3/sqrt(12) * sqrt(3/(8 ln 2)) = 0.02654.
+    The Gaussian-initialised weights fill whole binades, so each tensor's Frobenius
+    relative error should sit within 10% of it."""
+    theory = 2.0**-3 / math.sqrt(12) * math.sqrt(3 / (8 * math.log(2)))
+    report = convert_checkpoint(tiny_models["small"], tmp_path / "fp8", show_progress=False)
+    for t in report.tensors:
+        assert abs(t.rel_error - theory) / theory < 0.10, (t.name, t.rel_error)
+    s = report.summary()
+    assert s["quantized_bytes_after"] / s["quantized_bytes_before"] == pytest.approx(0.5, abs=0.002)
+    md = (tmp_path / "fp8" / "fp8rl_conversion_report.md").read_text()
+    assert "tensors quantized: 28" in md
+
+
+def test_manifest_hashes_every_file(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    dst = tmp_path / "fp8"
+    convert_checkpoint(tiny_models["small-sharded"], dst, ConvertOptions(pow2_scales=True), show_progress=False)
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    files = {p.name for p in dst.iterdir()} - {MANIFEST_NAME}
+    assert set(manifest["files"]) == files
+    for name, digest in manifest["files"].items():
+        assert sha256_file(dst / name) == digest
+    assert manifest["recipe"]["pow2_scales"] is True and manifest["tool"] == "fp8rl"
+    assert manifest["source"]["files"]["config.json"] == sha256_file(tiny_models["small-sharded"] / "config.json")
+    # pow2 scales really are powers of two
+    s = all_tensors(dst)["model.layers.0.mlp.up_proj.weight_scale_inv"]
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_dequantize_inverts_stored_values(tmp_path: Path, tiny_models: dict[str, Path], granularity: str) -> None:
+    fp8, deq = tmp_path / "fp8", tmp_path / "deq"
+    convert_checkpoint(tiny_models["tiny-odd"], fp8, ConvertOptions(granularity=granularity), show_progress=False)
+    dequantize_checkpoint(fp8, deq, show_progress=False)
+    src, back = all_tensors(tiny_models["tiny-odd"]), all_tensors(deq)
+    assert set(src) == set(back)
+    assert "quantization_config" not in json.loads((deq / "config.json").read_text())
+    w = src["model.layers.1.mlp.down_proj.weight"]
+    spec = QuantSpec(granularity=granularity)  # type: ignore[arg-type]
+    assert torch.equal(back["model.layers.1.mlp.down_proj.weight"], quantize_weight(w, spec).dequantize(torch.bfloat16))
+    assert torch.equal(back["lm_head.weight"], src["lm_head.weight"])
+
+
+# ---- bad input: clear error, nothing written --------------------------------------------------------------
+
+
+def _expect_clean_failure(tmp_path: Path, src: Path, match: str, exc: type[Exception] = CheckpointError) -> None:
+    dst = tmp_path / "out"
+    with pytest.raises(exc, match=match):
+        convert_checkpoint(src, dst, show_progress=False)
+    assert not dst.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    _expect_clean_failure(tmp_path, tmp_path / "nope", "does not exist", FileNotFoundError)
+
+
+def test_no_config(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_models["tiny"], src)
+    (src / "config.json").unlink()
+    _expect_clean_failure(tmp_path, src, "config.json is missing", UnsupportedModelError)
+
+
+def test_already_fp8(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    fp8 = tmp_path / "fp8"
+    convert_checkpoint(tiny_models["tiny"], fp8, show_progress=False)
+    _expect_clean_failure(tmp_path, fp8, "already quantized")
+    # FP8 tensors without a quantization_config are caught per tensor
+    cfg = json.loads((fp8 / "config.json").read_text())
+    del cfg["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    _expect_clean_failure(tmp_path, fp8, "already FP8")
+
+
+def _corrupt(tmp_path: Path, src: Path, name: str, value: torch.Tensor) -> Path:
+    out = tmp_path / "src"
+    shutil.copytree(src, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors[name] = value
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+def test_nan_weights(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    name = "model.layers.1.mlp.up_proj.weight"
+    w = load_file(tiny_models["tiny"] / "model.safetensors")[name].clone()
+    w[3, 4] = float("nan")
+    src = _corrupt(tmp_path, tiny_models["tiny"], name, w)
+    _expect_clean_failure(tmp_path, src, f"model.safetensors: tensor {name} holds NaN")
+
+
+def test_unsupported_dtype(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    src = _corrupt(tmp_path, tiny_models["tiny"], name, torch.zeros(384, 128, dtype=torch.int8))
+    _expect_clean_failure(tmp_path, src, "unsupported dtype torch.int8")
+
+
+def test_existing_destination_needs_overwrite(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        convert_checkpoint(tiny_models["tiny"], dst, show_progress=False)
+    assert (dst / "keep.txt").read_text() == "mine"
+    convert_checkpoint(tiny_models["tiny"], dst, overwrite=True, show_progress=False)
+    assert not (dst / "keep.txt").exists() and (dst / MANIFEST_NAME).exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    dst = tmp_path / "out"
+
+    def boom(shard: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(tiny_models["small-sharded"], dst, show_progress=False, on_shard=boom)
+    assert not dst.exists() and leftovers(tmp_path) == []

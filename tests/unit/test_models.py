@@ -1,0 +1,84 @@
+"""Tiny model factory, char tokenizer and local HF loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fp8rl.models import (
+    CHAR_VOCAB,
+    PRESETS,
+    UnsupportedModelError,
+    load_causal_lm,
+    make_char_tokenizer,
+    make_tiny_model,
+    read_model_config,
+)
+
+
+def test_presets_exercise_whole_and_partial_blocks() -> None:
+    for name, p in PRESETS.items():
+        head_dim = p.hidden_size // p.num_attention_heads
+        dims = [p.hidden_size, p.intermediate_size, p.num_key_value_heads * head_dim]
+        whole = all(d % 128 == 0 for d in dims)
+        assert whole == (name != "tiny-odd"), name
+        assert head_dim == 64
+
+
+def test_char_tokenizer_round_trips_task_text() -> None:
+    tok = make_char_tokenizer()
+    text = "Q: 12+34*5=?\nA: 182 #### 182 \\boxed{182}"
+    ids = tok(text).input_ids
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert len(tok) == len(CHAR_VOCAB) + 4 <= PRESETS["tiny"].vocab_size
+    assert tok.eos_token_id == 2 and tok.pad_token_id == 0
+
+
+def test_saved_model_loads_with_auto_classes(tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["tiny"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    text = "7+8=15"
+    assert tok(text).input_ids == make_char_tokenizer()(text).input_ids
+    assert tok.decode(tok(text).input_ids) == text
+    ref, _ = make_tiny_model("tiny", seed=0)
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    out = model(torch.tensor([tok(text).input_ids])).logits
+    assert out.shape == (1, len(text), PRESETS["tiny"].vocab_size)
+
+
+def test_sharded_save_has_index(tiny_models: dict[str, Path]) -> None:
+    index = json.loads((tiny_models["small-sharded"] / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+
+def test_seeds_differ() -> None:
+    a, _ = make_tiny_model("tiny", seed=0)
+    b, _ = make_tiny_model("tiny", seed=1)
+    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, b.model.layers[0].mlp.up_proj.weight)
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ValueError, match="tiny-odd"):
+        make_tiny_model("huge")
+
+
+def test_load_rejects_unsupported_architecture(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_model_config(tmp_path / "missing")
+    with pytest.raises(UnsupportedModelError, match="config.json is missing"):
+        read_model_config(tmp_path)
+    cfg = json.loads((tiny_models["tiny"] / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported"):
+        load_causal_lm(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UnsupportedModelError, match="not valid JSON"):
+        read_model_config(tmp_path)
