@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8rl.quant import QuantSpec, fp8_gemm, fp8_gemm_backend, quantize, quantize_activation, quantize_weight  # noqa: E402
+from fp8rl.quant import QuantSpec, fp8_gemm, fp8_gemm_backend, quantize, quantize_activation, quantize_weight
 
 
 def bit_identity() -> dict[str, object]:
