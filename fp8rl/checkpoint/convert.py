@@ -29,6 +29,7 @@ from fp8rl.atomic import atomic_directory
 from fp8rl.checkpoint.formats import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES, quantization_config, scale_name
 from fp8rl.checkpoint.report import ConversionReport, TensorReport
 from fp8rl.checkpoint.shards import INDEX_NAME, CheckpointError, sha256_file, shard_layout, tree_digest
+from fp8rl.models.layers import kept_layers
 from fp8rl.models.loading import read_model_config
 from fp8rl.quant import NonFiniteError, QuantSpec, quantize_weight
 
@@ -59,9 +60,7 @@ class ConvertOptions:
 
     def kept_layers(self, num_layers: int) -> set[int]:
         """Decoder layer indices that stay in their original precision."""
-        first = set(range(min(self.bf16_first_layers, num_layers)))
-        last = set(range(max(num_layers - self.bf16_last_layers, 0), num_layers))
-        return first | last
+        return kept_layers(num_layers, self.bf16_first_layers, self.bf16_last_layers)
 
 
 @dataclass

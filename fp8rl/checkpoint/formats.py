@@ -31,22 +31,10 @@ stored scale is the dequantization multiplier (``w = q * scale``).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-# Decoder linear layers that are quantized; everything else keeps its dtype.
-DECODER_LINEAR = re.compile(
-    r"^(?P<module>model\.layers\.(?P<layer>\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight$"
-)
-DECODER_LINEAR_SUFFIXES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+from fp8rl.models.layers import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES  # noqa: F401 -- re-exported
+
 BLOCK_SCALE_SUFFIX = ".weight_scale_inv"
 CT_SCALE_SUFFIX = ".weight_scale"
 

@@ -75,7 +75,7 @@ def make_tiny_model(
     return model.eval(), make_char_tokenizer()
 
 
-def _pin_tokenizer_class(directory: Path) -> None:
+def pin_tokenizer_class(directory: Path) -> None:
     # transformers maps some model types to their own tokenizer classes; name the
     # generic fast tokenizer explicitly so every loader builds the char tokenizer.
     cfg_path = directory / "tokenizer_config.json"
@@ -104,5 +104,5 @@ def save_tiny_model(
         else:
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _pin_tokenizer_class(Path(tmp))
+        pin_tokenizer_class(Path(tmp))
     return Path(dst)

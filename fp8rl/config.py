@@ -1,0 +1,169 @@
+"""Typed configuration: precision recipes and the RL run.  Imports no torch, so tooling can load it cheaply.
+
+A recipe is the axis every comparison is made along:
+
+| recipe        | rollout | training |
+|---------------|---------|----------|
+| `bf16`        | BF16    | BF16     |
+| `fp8-rollout` | FP8     | BF16     |
+| `fp8-e2e`     | FP8     | FP8 (the same scaling as rollout) |
+
+Recipes are YAML files validated by these models; an invalid value is a
+``ConfigError`` naming the field and the allowed values before anything runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fp8rl.errors import UserError
+
+RECIPE_DIR = Path(__file__).parent / "recipes"
+BUILTIN_RECIPES = ("bf16", "fp8-rollout", "fp8-e2e")
+
+
+class ConfigError(UserError, ValueError):
+    """A config or recipe file is invalid; the message names the field(s)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QuantConfig(_Strict):
+    """How FP8 is applied (shared by rollout and, for fp8-e2e, training)."""
+
+    granularity: Literal["block", "row", "tensor"] = "block"
+    fmt: Literal["e4m3"] = "e4m3"
+    weight_block: tuple[int, int] = (128, 128)
+    act_block: int = Field(128, ge=1)
+    pow2_scales: bool = False
+    bf16_first_layers: int = Field(0, ge=0)
+    bf16_last_layers: int = Field(0, ge=0)
+
+
+class NoCorrection(_Strict):
+    type: Literal["none"] = "none"
+
+
+class TISCorrection(_Strict):
+    """Truncated importance sampling: w = min(rho, threshold), rho = exp(lp_train - lp_rollout)."""
+
+    type: Literal["tis"] = "tis"
+    level: Literal["token", "sequence"] = "token"
+    threshold: float = Field(2.0, gt=1.0)
+
+
+class MISCorrection(_Strict):
+    """Masked importance sampling: drop tokens (or sequences) whose ratio leaves [low, high]."""
+
+    type: Literal["mis"] = "mis"
+    level: Literal["token", "sequence"] = "token"
+    low: float = Field(0.5, gt=0.0, lt=1.0)
+    high: float = Field(2.0, gt=1.0)
+
+
+Correction = Annotated[NoCorrection | TISCorrection | MISCorrection, Field(discriminator="type")]
+
+
+class GRPOConfig(_Strict):
+    """GRPO as a configuration of PPO-clip (defaults: DAPO clip-higher and token-mean aggregation)."""
+
+    group_size: int = Field(8, ge=2)
+    prompts_per_step: int = Field(16, ge=1)
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_high: float = Field(0.28, ge=0.0)
+    dual_clip: float | None = Field(None, gt=1.0)
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0)
+    std_normalize: bool = True
+    leave_one_out: bool = False
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(8, ge=1)
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(2e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    micro_batch_size: int = Field(64, ge=1)
+
+
+class Recipe(_Strict):
+    """A precision recipe: what is FP8 where, how it is scaled, and how mismatch is corrected."""
+
+    name: str
+    rollout_precision: Literal["bf16", "fp8"]
+    train_precision: Literal["bf16", "fp8"]
+    quant: QuantConfig = QuantConfig()
+    correction: Correction = NoCorrection()
+
+    @model_validator(mode="after")
+    def _fp8_training_needs_fp8_rollout(self) -> Recipe:
+        if self.train_precision == "fp8" and self.rollout_precision != "fp8":
+            raise ValueError("train_precision 'fp8' requires rollout_precision 'fp8' (end-to-end FP8)")
+        return self
+
+
+class RunConfig(_Strict):
+    """One RL run: a recipe plus everything else the loop needs."""
+
+    recipe: Recipe
+    model: str | None = None  # None: the tiny model, warmed up by SFT
+    preset: str = "tiny"
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+    grpo: GRPOConfig = GRPOConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    optim: OptimConfig = OptimConfig()
+    eval_every: int = Field(5, ge=1)
+    eval_examples: int = Field(200, ge=1)
+    verify_sync: bool = True
+    work_dir: str = "work"
+    experiment: str = "fp8rl"
+
+
+def _format_errors(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"  {loc or '(root)'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """A built-in recipe by name (``bf16``, ``fp8-rollout``, ``fp8-e2e``) or a YAML file."""
+    path = RECIPE_DIR / f"{name_or_path}.yaml" if name_or_path in BUILTIN_RECIPES else Path(name_or_path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {name_or_path!r}: not a built-in recipe {list(BUILTIN_RECIPES)} nor a file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return parse_recipe(data, str(path))
+
+
+def parse_run_config(data: Any, source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

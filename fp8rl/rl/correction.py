@@ -1,0 +1,136 @@
+"""Rollout / training mismatch correction: truncated (TIS) or masked (MIS) importance sampling.
+
+The rollout engine (FP8 vLLM, its own kernels) samples from pi_rollout, which is not
+quite the policy the trainer evaluates, pi_train, even at the same weights.  The
+policy gradient is an expectation under pi_train, so each token gets the ratio
+
+    rho_t = pi_train(y_t) / pi_rollout(y_t) = exp(lp_train_t - lp_rollout_t)
+
+where lp_train are the behaviour (old) log-probabilities recomputed by the trainer
+and lp_rollout those the engine reported.  Raw ratios have unbounded variance, so:
+
+    tis  truncated IS, w = min(rho, C): Yao et al. 2025, "Your Efficient RL Framework
+         Secretly Brings You Off-Policy RL Training"; veRL's rollout importance
+         sampling in "truncate" mode.
+    mis  masked IS: tokens (or whole sequences) whose ratio leaves [low, high] are
+         dropped from the loss instead of down-weighted; Liu et al. 2025, "When Speed
+         Kills Stability: Demystifying RL Collapse from the Training-Inference
+         Mismatch"; veRL's "mask" mode.
+
+at the level of single tokens (rho_t) or of whole sequences (prod_t rho_t, taken in
+log space: sum_t log rho_t, so long sequences cannot overflow).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from fp8rl.rl.metrics import as_bool_mask, masked_max, masked_mean, masked_sum, require_same_shape
+
+
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """Which mismatch correction :func:`mismatch_correction` applies.
+
+    type:      "none" (weights 1), "tis" (truncate) or "mis" (mask).
+    level:     "token" uses rho_t; "sequence" uses prod_t rho_t for every token of
+               the sequence.
+    threshold: C of TIS, the cap on the weight (Yao et al. use single-digit caps;
+               2 keeps the variance low while leaving room above 1).
+    low, high: the window [low, high] of ratios MIS keeps; must contain 1, so an
+               on-policy token is never dropped.  0.5 and 2.0 make it symmetric in
+               log space, |log rho| <= log 2.
+    """
+
+    type: Literal["none", "tis", "mis"] = "none"
+    level: Literal["token", "sequence"] = "token"
+    threshold: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.type not in ("none", "tis", "mis"):
+            raise ValueError(f"type must be 'none', 'tis' or 'mis', got {self.type!r}")
+        if self.level not in ("token", "sequence"):
+            raise ValueError(f"level must be 'token' or 'sequence', got {self.level!r}")
+        if not self.threshold > 0.0:
+            raise ValueError(f"threshold must be > 0, got {self.threshold}")
+        if not 0.0 <= self.low <= 1.0 <= self.high:
+            raise ValueError(f"need 0 <= low <= 1 <= high, got low={self.low}, high={self.high}")
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0.0 else -math.inf
+
+
+def _ess(weights: Tensor, valid: Tensor) -> Tensor:
+    """Normalized effective sample size (sum w)^2 / (n sum w^2) in [0, 1]; 1 for no tokens."""
+    n = valid.sum().to(weights.dtype)
+    sum_w = masked_sum(weights, valid)
+    sum_w2 = masked_sum(weights * weights, valid)
+    ess = torch.where(sum_w2 > 0, sum_w**2 / (n * sum_w2).clamp(min=torch.finfo(weights.dtype).tiny), 0.0)
+    # Cauchy-Schwarz bounds it by 1; clamp away rounding above.
+    return torch.where(n > 0, ess.clamp(max=1.0), 1.0)
+
+
+def mismatch_correction(
+    train_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    cfg: CorrectionConfig,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Per-token IS weights and the (possibly reduced) loss mask for the mismatch.
+
+    Shapes: train_logprobs [N, T] (old log-probs under training numerics),
+    rollout_logprobs [N, T] (as reported by the rollout engine), mask [N, T] bool or
+    float.  Returns ``(weights, new_mask, metrics)``: weights [N, T], float32 (float64
+    for float64 inputs), detached, 0 outside ``new_mask``; new_mask [N, T] of
+    ``mask``'s dtype.  With log rho = lp_train - lp_rollout (per token, or summed
+    over the sequence's valid tokens for level="sequence"):
+
+        none  w = 1;                 new_mask = mask
+        tis   w = exp(min(log rho, log C)) = min(rho, C);   new_mask = mask
+        mis   w = 1;  new_mask = mask and log(low) <= log rho <= log(high)
+
+    Metrics, over the tokens of the input ``mask`` with the final weights (a token
+    MIS drops counts as weight 0): ``is_weight_mean``, ``is_weight_max``, ``is_ess``
+    = (sum w)^2 / (n sum w^2) (1 for identical log-probs; 0 if every token was
+    dropped), and ``frac_clipped`` (tis: tokens with rho > C) or ``frac_masked``
+    (mis: tokens dropped).  At sequence level these count the tokens of the affected
+    sequences.
+    """
+    require_same_shape(train_logprobs=train_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
+    valid = as_bool_mask(mask)
+    dtype = torch.promote_types(train_logprobs.dtype, torch.float32)
+    diff = train_logprobs.detach().to(dtype) - rollout_logprobs.detach().to(dtype)
+    log_rho = torch.where(valid, diff, 0.0)
+    if cfg.level == "sequence":
+        log_rho = masked_sum(log_rho, valid, dim=1)[:, None].expand_as(log_rho)
+
+    new_mask = mask
+    flagged: Tensor | None = None
+    if cfg.type == "tis":
+        flagged = valid & (log_rho > _log(cfg.threshold))
+        weights = torch.where(valid, log_rho.clamp(max=_log(cfg.threshold)).exp(), 0.0)
+    elif cfg.type == "mis":
+        keep = valid & (log_rho >= _log(cfg.low)) & (log_rho <= _log(cfg.high))
+        flagged = valid & ~keep
+        weights = keep.to(dtype)
+        new_mask = torch.where(keep, mask, torch.zeros_like(mask))
+    else:
+        weights = valid.to(dtype)
+
+    stats = {
+        "is_weight_mean": masked_mean(weights, valid),
+        "is_weight_max": masked_max(weights, valid),
+        "is_ess": _ess(weights.double(), valid),
+    }
+    if flagged is not None:
+        stats["frac_clipped" if cfg.type == "tis" else "frac_masked"] = masked_mean(flagged.to(dtype), valid)
+    values = torch.stack([v.double() for v in stats.values()]).tolist()
+    return weights, new_mask, dict(zip(stats, values, strict=True))

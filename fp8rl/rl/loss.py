@@ -1,0 +1,209 @@
+"""The PPO-clip policy loss; GRPO, DAPO and Dr. GRPO are configurations of it.
+
+GRPO is this loss fed with :func:`fp8rl.rl.grpo_advantages` (and ``kl_coef`` for
+its reference-KL term); DAPO is clip-higher (``clip_high=0.28``) with
+``token-mean`` aggregation; there is no second implementation.  The rollout /
+training mismatch correction enters as per-token ``is_weights`` from
+:func:`fp8rl.rl.mismatch_correction`.
+
+Numerics: the loss is computed in float32 even for bf16 log-probabilities (float64
+stays float64).  Masked positions are selected away with ``torch.where`` before
+any exp, so whatever sits there (padding, NaN, -inf) contributes exactly zero to
+the loss and to every gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from fp8rl.rl.metrics import as_bool_mask, kl_k3, masked_max, masked_mean, require_same_shape
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+
+DUAL_CLIP_YE_ET_AL = 3.0
+"""The dual-clip constant of Ye et al. (2020) and veRL's ``clip_ratio_c`` default."""
+
+LOG_RATIO_LIMIT = 20.0
+"""|log ratio| is clamped to this before exp, as veRL does: a wildly off-policy
+token gives a large finite loss (and no gradient) instead of inf."""
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """How :func:`policy_loss` clips and aggregates.
+
+    clip_low:  ratio is clipped below at ``1 - clip_low``; 0.2 as PPO (Schulman et
+               al. 2017) and GRPO.
+    clip_high: ratio is clipped above at ``1 + clip_high``; 0.28 is DAPO's
+               "clip-higher" (Yu et al. 2025), which leaves low-probability tokens
+               room to grow and so delays entropy collapse.  Set 0.2 for PPO/GRPO.
+    dual_clip: ``None`` (off), or the constant ``c > 1`` of dual-clip PPO (Ye et
+               al. 2020, "Mastering Complex Control in MOBA Games"): for negative
+               advantages the per-token loss is capped at ``-c * A``.  3.0
+               (:data:`DUAL_CLIP_YE_ET_AL`) is the paper's and veRL's value.
+    loss_agg:  "token-mean" averages over every valid token of the batch (DAPO;
+               veRL ``loss_agg_mode``'s default), so long responses weigh in per
+               token; "seq-mean-token-mean" averages each sequence's tokens and then
+               the sequences (original GRPO), so every response weighs the same.
+    kl_coef:   weight of the k3 KL(pi || pi_ref) penalty (GRPO's beta); 0 (off) as
+               DAPO and Dr. GRPO.  Needs ``ref_logprobs`` when non-zero.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float | None = None
+    loss_agg: LossAgg = "token-mean"
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3.0), got {self.dual_clip}")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
+            raise ValueError(f"loss_agg must be 'token-mean' or 'seq-mean-token-mean', got {self.loss_agg!r}")
+        if self.kl_coef < 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+@dataclass(frozen=True)
+class PolicyLossInput:
+    """The tensors of one :func:`policy_loss` call; N sequences of T response tokens.
+
+    logprobs:     [N, T] log pi_theta of the sampled tokens, with grad (current
+                  policy, training numerics).
+    old_logprobs: [N, T] log pi_old of the same tokens: the behaviour policy under
+                  training numerics (detached here).
+    advantages:   [N] per-sequence advantages, broadcast to tokens, or [N, T].
+    mask:         [N, T] bool or float, non-zero for real response tokens.
+    is_weights:   optional [N, T] per-token importance weights of the rollout /
+                  training mismatch correction; detached here, multiplied into the
+                  per-token policy-gradient loss.
+    ref_logprobs: optional [N, T] log pi_ref for the k3 KL penalty and metric.
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    is_weights: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        require_same_shape(
+            logprobs=self.logprobs,
+            old_logprobs=self.old_logprobs,
+            mask=self.mask,
+            is_weights=self.is_weights,
+            ref_logprobs=self.ref_logprobs,
+        )
+        if self.logprobs.dim() != 2:
+            raise ValueError(f"logprobs must be [N, T], got shape {list(self.logprobs.shape)}")
+        n = self.logprobs.shape[0]
+        if tuple(self.advantages.shape) not in ((n,), tuple(self.logprobs.shape)):
+            raise ValueError(
+                f"advantages must be [N] or [N, T] = {list(self.logprobs.shape)}, got {list(self.advantages.shape)}"
+            )
+
+
+def ppo_clip_token_loss(ratio: Tensor, advantages: Tensor, cfg: PolicyLossConfig) -> Tensor:
+    """Per-token PPO-clip loss (to minimise), optionally dual-clipped.
+
+    Shapes: ratio, advantages [N, T] -> [N, T].  With r = ratio, A = advantage,
+    eps_l = clip_low, eps_h = clip_high (Schulman et al. 2017; asymmetric as DAPO):
+
+        l = max(-r * A, -clip(r, 1 - eps_l, 1 + eps_h) * A)     (= -min(rA, clip(r)A))
+        dual clip (A < 0 only):  l = min(l, -c * A)              (Ye et al. 2020; veRL)
+
+    The clipped branch has zero gradient: A > 0 with r > 1 + eps_h, A < 0 with
+    r < 1 - eps_l, and under dual clip A < 0 with r > c.
+    """
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    if cfg.dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -cfg.dual_clip * advantages), loss)
+    return loss
+
+
+def aggregate_token_loss(token_loss: Tensor, mask: Tensor, loss_agg: LossAgg) -> Tensor:
+    """Reduce a per-token loss [N, T] to a scalar over the tokens of ``mask`` [N, T].
+
+        token-mean:           sum_{i,t} m_it l_it / sum_{i,t} m_it
+        seq-mean-token-mean:  mean over non-empty sequences i of sum_t m_it l_it / sum_t m_it
+
+    (veRL ``agg_loss``.)  Sequences with no valid token are skipped; an all-empty
+    batch gives 0 with the graph kept, so ``backward()`` still works.
+    """
+    valid = as_bool_mask(mask)
+    if loss_agg == "token-mean":
+        return masked_mean(token_loss, valid)
+    if loss_agg == "seq-mean-token-mean":
+        return masked_mean(masked_mean(token_loss, valid, dim=1), valid.any(dim=1))
+    raise ValueError(f"unknown loss_agg {loss_agg!r}")
+
+
+def policy_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip policy-gradient loss with optional IS weights and k3 reference KL.
+
+    Shapes: see :class:`PolicyLossInput`; returns a scalar loss with grad w.r.t.
+    ``inp.logprobs`` and metrics.  Per token, with ratio = exp(lp - lp_old):
+
+        l_t = w_t * ppo_clip(ratio_t, A)  +  kl_coef * k3(lp_t, lp_ref_t)
+
+    where w_t are ``is_weights`` (1 if None), ``ppo_clip`` is
+    :func:`ppo_clip_token_loss` and k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman
+    2020); then reduced by :func:`aggregate_token_loss`.  The log ratio is clamped
+    to +-:data:`LOG_RATIO_LIMIT` before the exp.
+
+    Metrics (token-weighted over valid tokens): ``loss``; ``pg_loss`` (the first
+    term alone, same aggregation); ``ratio_mean``, ``ratio_max``;
+    ``clip_frac_low`` (A < 0, ratio < 1 - clip_low) and ``clip_frac_high`` (A > 0,
+    ratio > 1 + clip_high), the tokens whose clipped branch is active;
+    ``clip_frac_dual`` (A < 0, ratio > c) when dual clip is on; ``kl_ref`` (mean
+    k3) when ``ref_logprobs`` is given.
+    """
+    if cfg.kl_coef > 0.0 and inp.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    valid = as_bool_mask(inp.mask)
+    dtype = torch.promote_types(inp.logprobs.dtype, torch.float32)
+    lp = inp.logprobs.to(dtype)
+    log_ratio = torch.where(valid, lp - inp.old_logprobs.detach().to(dtype), 0.0)
+    ratio = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+    adv = inp.advantages.detach().to(dtype)
+    adv = (adv[:, None] if adv.dim() == 1 else adv).expand_as(ratio)
+
+    pg_token = ppo_clip_token_loss(ratio, adv, cfg)
+    if inp.is_weights is not None:
+        pg_token = pg_token * inp.is_weights.detach().to(dtype)
+    token_loss = pg_token
+    kl = None
+    if inp.ref_logprobs is not None:
+        # Both sides selected, so a NaN in padding cannot reach lp's gradient.
+        ref = torch.where(valid, inp.ref_logprobs.detach().to(dtype), 0.0)
+        kl = kl_k3(torch.where(valid, lp, 0.0), ref)
+        if cfg.kl_coef > 0.0:
+            token_loss = pg_token + cfg.kl_coef * kl
+    loss = aggregate_token_loss(token_loss, valid, cfg.loss_agg)
+
+    with torch.no_grad():
+        stats = {
+            "loss": loss,
+            "pg_loss": aggregate_token_loss(pg_token, valid, cfg.loss_agg) if kl is not None else loss,
+            "ratio_mean": masked_mean(ratio, valid),
+            "ratio_max": masked_max(ratio, valid),
+            "clip_frac_low": masked_mean(((adv < 0) & (ratio < 1.0 - cfg.clip_low)).to(dtype), valid),
+            "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1.0 + cfg.clip_high)).to(dtype), valid),
+        }
+        if cfg.dual_clip is not None:
+            stats["clip_frac_dual"] = masked_mean(((adv < 0) & (ratio > cfg.dual_clip)).to(dtype), valid)
+        if kl is not None:
+            stats["kl_ref"] = masked_mean(kl, valid)
+        values = torch.stack([v.detach().double() for v in stats.values()]).tolist()
+    return loss, dict(zip(stats, values, strict=True))

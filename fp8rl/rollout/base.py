@@ -1,0 +1,60 @@
+"""The rollout interface: ``generate(prompts, sampling) -> Rollout`` and in-place weight loading."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fp8rl.quant import QuantizedTensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy.  Logprobs are of the temperature-scaled distribution before
+    top-k / top-p truncation (what the trainer recomputes); RL runs keep top_p = 1, top_k = 0."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass
+class Rollout:
+    """Responses to N prompts, right-padded to T tokens.
+
+    ``response_ids [N, T]`` (int64), ``response_mask [N, T]`` (1 for generated tokens,
+    including the EOS that ended a response), ``logprobs [N, T]`` float32: the log
+    probability of each sampled token under the engine's own forward (ROLLOUT numerics),
+    0 where masked.  ``prompt_ids`` are the unpadded prompts; ``policy_version`` is the
+    version of the weights that generated this rollout.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    finished: torch.Tensor
+    policy_version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+class RolloutEngine(Protocol):
+    policy_version: int
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout: ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor | QuantizedTensor], version: int) -> None:
+        """Overwrite weights in place (HF names); FP8 entries come as QuantizedTensor."""
+        ...
+
+    def held_weights(self) -> dict[str, torch.Tensor | QuantizedTensor]:
+        """What the engine holds now, for the bit-exact sync check."""
+        ...

@@ -1,0 +1,28 @@
+"""Requantized weight sync, trainer -> rollout engine, as a versioned protocol.
+
+After every optimizer step the trainer's weights are requantized ONCE with the rollout
+recipe (FP8 + scales for the engine's FP8 linears, bf16 for the rest) and pushed with a
+policy version; the engine loads them in place and then serves that version.  The verify
+mode reads the engine's weights back and proves they equal quantize(trainer weights) bit
+for bit.  This module has the in-process implementation; Ray/NCCL ones come with issue 4.
+"""
+
+from fp8rl.sync.inprocess import (
+    InProcessWeightSync,
+    SyncStats,
+    SyncVerificationError,
+    WeightSync,
+    payload_bytes,
+    requantize_for_rollout,
+    verify_engine_weights,
+)
+
+__all__ = [
+    "InProcessWeightSync",
+    "SyncStats",
+    "SyncVerificationError",
+    "WeightSync",
+    "payload_bytes",
+    "requantize_for_rollout",
+    "verify_engine_weights",
+]

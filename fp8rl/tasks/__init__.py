@@ -1,0 +1,26 @@
+"""Verifiable tasks: problems with exact answers, and the reward that checks a response against one.
+
+- ``verify``: ``Example`` (prompt, normalised answer), ``extract_answer`` (``#### 42``,
+  ``\\boxed{42}`` or a bare number), ``normalize_answer`` and ``exact_match_reward``.
+- ``arithmetic``: ``ArithmeticTask``, deterministic synthetic integer arithmetic
+  (``"12+7="`` -> ``"19"``) with disjoint train and test splits.
+- ``jsonl``: ``load_jsonl`` / ``write_jsonl`` for users' own data, with
+  ``DatasetError`` naming the file and line at fault.
+
+Nothing here imports torch: configs and pipelines can load tasks cheaply.
+"""
+
+from fp8rl.tasks.arithmetic import ArithmeticTask
+from fp8rl.tasks.jsonl import DatasetError, load_jsonl, write_jsonl
+from fp8rl.tasks.verify import Example, exact_match_reward, extract_answer, normalize_answer
+
+__all__ = [
+    "ArithmeticTask",
+    "DatasetError",
+    "Example",
+    "exact_match_reward",
+    "extract_answer",
+    "load_jsonl",
+    "normalize_answer",
+    "write_jsonl",
+]

@@ -1,0 +1,192 @@
+"""The torch training backend: BF16 or FP8 linears, fp32 master weights, micro-batched policy updates.
+
+Logprobs are recomputed here under TRAINING numerics; for ``fp8`` the decoder linears run
+forward, dgrad and wgrad in FP8 (``FP8TrainLinear``) with the recipe's scaling, while
+embeddings, lm_head, norms, attention math and the configured BF16 layers stay BF16.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from fp8rl.models.layers import fp8_module_names, swap_modules
+from fp8rl.models.loading import load_causal_lm
+from fp8rl.quant import QuantSpec
+from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
+from fp8rl.train.fp8_linear import FP8TrainLinear
+from fp8rl.train.optim import MasterWeightAdamW, lr_lambda
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    precision: str = "bf16"  # bf16 | fp8
+    spec: QuantSpec = field(default_factory=QuantSpec)
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+    lr: float = 2e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 100
+    micro_batch_size: int = 64
+
+
+@dataclass
+class SequenceBatch:
+    """Prompts (left-padded) followed by responses: ``input_ids [N, P+T]``, ``attention_mask [N, P+T]``,
+    ``position_ids [N, P+T]``; the response tokens are ``input_ids[:, P:]`` with ``response_mask [N, T]``."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_mask: torch.Tensor
+    prompt_width: int
+
+    def slice(self, s: slice) -> SequenceBatch:
+        return SequenceBatch(
+            self.input_ids[s], self.attention_mask[s], self.position_ids[s], self.response_mask[s], self.prompt_width
+        )
+
+
+def build_batch(
+    prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor, pad_id: int
+) -> SequenceBatch:
+    n, t = response_ids.shape
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((n, width + t), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width + t), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p) : width] = torch.tensor(p)
+        attn[i, width - len(p) : width] = 1
+    ids[:, width:] = response_ids.cpu()
+    attn[:, width:] = response_mask.cpu().long()
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    return SequenceBatch(ids, attn, positions, response_mask.cpu().float(), width)
+
+
+class TorchTrainer:
+    def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
+        if opts.precision not in ("bf16", "fp8"):
+            raise ValueError(f"trainer precision must be 'bf16' or 'fp8', got {opts.precision!r}")
+        if isinstance(model, PreTrainedModel):
+            self.model = model.to(device=device, dtype=torch.bfloat16)  # type: ignore[call-arg]
+        else:
+            self.model = load_causal_lm(model, dtype=torch.bfloat16, device=device)
+        self.model.train()
+        self.device = torch.device(device)
+        self.opts = opts
+        self.fp8_modules: list[str] = []
+        if opts.precision == "fp8":
+            self.fp8_modules = fp8_module_names(self.model, opts.bf16_first_layers, opts.bf16_last_layers)
+            swap_modules(self.model, self.fp8_modules, lambda _n, old: FP8TrainLinear.from_linear(old, opts.spec))  # type: ignore[arg-type]
+        self.optimizer = MasterWeightAdamW(
+            list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer.optimizer, lr_lambda(opts.warmup_steps, opts.total_steps, opts.schedule)
+        )
+        self.pad_token_id = int(self.model.config.pad_token_id or 0)
+        self.step_count = 0
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _response_logprobs(self, b: SequenceBatch, temperature: float) -> torch.Tensor:
+        """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad)."""
+        ids = b.input_ids.to(self.device)
+        logits = self.model(
+            input_ids=ids, attention_mask=b.attention_mask.to(self.device), position_ids=b.position_ids.to(self.device)
+        ).logits
+        t = ids.shape[1] - b.prompt_width
+        pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + t, :].float()
+        if temperature > 0:
+            pred = pred / temperature
+        lp = pred.log_softmax(-1).gather(-1, ids[:, b.prompt_width :, None]).squeeze(-1)
+        return lp * b.response_mask.to(self.device)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+        out = []
+        for s in range(0, batch.input_ids.shape[0], self.opts.micro_batch_size):
+            out.append(self._response_logprobs(batch.slice(slice(s, s + self.opts.micro_batch_size)), temperature))
+        return torch.cat(out).cpu()
+
+    # ---- updates -------------------------------------------------------------------------------------
+    def policy_step(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        loss_cfg: PolicyLossConfig,
+        temperature: float,
+    ) -> dict[str, float]:
+        """One optimizer step of the PPO-clip/GRPO loss over the whole batch, in micro-batches.
+
+        ``advantages [N]``, ``old_logprobs``/``is_weights``/``loss_mask [N, T]``.  The per-micro-batch
+        losses are weighted so the result equals the loss aggregated over the full batch.
+        """
+        n = batch.input_ids.shape[0]
+        total_tokens = float(loss_mask.sum().clamp(min=1))
+        total_seqs = float((loss_mask.sum(-1) > 0).sum().clamp(min=1))
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        for s in range(0, n, self.opts.micro_batch_size):
+            sl = slice(s, s + self.opts.micro_batch_size)
+            mb_mask = loss_mask[sl]
+            if float(mb_mask.sum()) == 0:
+                continue
+            lp = self._response_logprobs(batch.slice(sl), temperature)
+            inp = PolicyLossInput(
+                logprobs=lp,
+                old_logprobs=old_logprobs[sl].to(self.device),
+                advantages=advantages[sl].to(self.device),
+                mask=mb_mask.to(self.device),
+                is_weights=None if is_weights is None else is_weights[sl].to(self.device),
+            )
+            loss, metrics = policy_loss(inp, loss_cfg)
+            if loss_cfg.loss_agg == "token-mean":
+                weight = float(mb_mask.sum()) / total_tokens
+            else:
+                weight = float((mb_mask.sum(-1) > 0).sum()) / total_seqs
+            (loss * weight).backward()
+            self.optimizer.accumulate()
+            loss_total += float(loss) * weight
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+        grad_norm = self.optimizer.step(self.opts.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step_count += 1
+        return {**sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr)}
+
+    def sft_step(self, batch: SequenceBatch) -> dict[str, float]:
+        """One optimizer step of token-mean cross entropy on the response (answer) tokens."""
+        n = batch.input_ids.shape[0]
+        total = float(batch.response_mask.sum().clamp(min=1))
+        loss_total = 0.0
+        for s in range(0, n, self.opts.micro_batch_size):
+            mb = batch.slice(slice(s, s + self.opts.micro_batch_size))
+            lp = self._response_logprobs(mb, temperature=1.0)
+            loss = -(lp.sum()) / total
+            loss.backward()
+            self.optimizer.accumulate()
+            loss_total += float(loss.detach())
+        grad_norm = self.optimizer.step(self.opts.grad_clip)
+        self.scheduler.step()
+        self.step_count += 1
+        return {"sft_loss": loss_total, "grad_norm": grad_norm}
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's (bf16) weights under their HF names: what is synced and checkpointed."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save an HF checkpoint (bf16); FP8 linears are plain ``nn.Linear`` subclasses with the same names."""
+        self.model.save_pretrained(path)
