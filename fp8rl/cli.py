@@ -77,6 +77,58 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warm_model(work: Path, preset: str, steps: int, seed: int) -> Path:
+    """The SFT-warmed tiny model, cached under the work dir by its options."""
+    from fp8rl.train.sft import SFTOptions, sft_warmup
+
+    opts = SFTOptions(preset=preset, steps=steps, seed=seed)
+    path = work / "models" / f"sft-{preset}-{opts.cache_key()}"
+    if path.exists():
+        print(f"using cached SFT warm-up {path}")
+        return path
+    result = sft_warmup(path, opts)
+    print(f"SFT warm-up: held-out accuracy {result['heldout_accuracy']:.3f} in {result['seconds']:.0f}s -> {path}")
+    return path
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    _warm_model(Path(args.work_dir), args.preset, args.steps, args.seed)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from fp8rl.config import load_recipe, parse_run_config
+    from fp8rl.loop import run_rl
+    from fp8rl.tracking import MlflowSink, configure_mlflow, recipe_tags
+
+    recipe = load_recipe(args.recipe)
+    cfg = parse_run_config(
+        {
+            "recipe": recipe.model_dump(),
+            "model": args.model,
+            "steps": args.steps,
+            "seed": args.seed,
+            "work_dir": args.work_dir,
+            "experiment": args.experiment,
+        },
+        "command line",
+    )
+    work = Path(cfg.work_dir)
+    model_dir = Path(cfg.model) if cfg.model else _warm_model(work, cfg.preset, args.sft_steps, cfg.seed)
+    uri = configure_mlflow(work)
+    with MlflowSink(cfg.experiment, f"{recipe.name}-seed{cfg.seed}", work, tags=recipe_tags(recipe.name)) as sink:
+        resolved = cfg.model_dump(mode="json")
+        resolved["recipe_config"] = resolved.pop("recipe")
+        sink.log_params({**resolved, "recipe": recipe.name})
+        result = run_rl(cfg, model_dir, sink)
+    print(
+        f"{recipe.name}: held-out accuracy {result.initial_accuracy:.3f} -> {result.final_accuracy:.3f}, "
+        f"run-mean token_mult_prob_error {result.run_mean('mismatch/token_mult_prob_error'):.5f}"
+    )
+    print(f"open the runs: mlflow ui --backend-store-uri {uri}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description="End-to-end FP8 reinforcement learning for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_cmd_dequantize)
+
+    p = sub.add_parser("sft", help="supervised warm-up of the tiny model on the arithmetic task (cached)")
+    p.add_argument("--work-dir", default="work")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("train", help="run the RL loop (one process) for a recipe, tracked in MLflow")
+    p.add_argument("--recipe", default="fp8-e2e", help="bf16 | fp8-rollout | fp8-e2e | path to a recipe YAML")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the SFT-warmed tiny model)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--work-dir", default="work")
+    p.add_argument("--experiment", default="fp8rl")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
     p.add_argument("--work-dir", default="work")

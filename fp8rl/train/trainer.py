@@ -156,7 +156,7 @@ class TorchTrainer:
                 weight = float((mb_mask.sum(-1) > 0).sum()) / total_seqs
             (loss * weight).backward()
             self.optimizer.accumulate()
-            loss_total += float(loss) * weight
+            loss_total += float(loss.detach()) * weight
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * weight
         grad_norm = self.optimizer.step(self.opts.grad_clip)
