@@ -6,8 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fp8rl.errors import UserError
+
+if TYPE_CHECKING:
+    from fp8rl.checkpoint import ConvertOptions
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +31,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _options(args: argparse.Namespace) -> ConvertOptions:
     from fp8rl.checkpoint import ConvertOptions
 
     for field in ("bf16_first_layers", "bf16_last_layers"):

@@ -1,6 +1,6 @@
 """HF safetensors checkpoint -> FP8 checkpoint (and back), streamed shard by shard.
 
-Only the linear layers of decoder blocks are quantized (``formats.DECODER_LINEAR``);
+Only the linear layers of decoder blocks are quantized (``fp8rl.models.layers.DECODER_LINEAR``);
 embeddings, lm_head, norms, biases and the configured BF16 layers keep their
 dtype.  One input shard is held in memory at a time, so peak memory follows the
 largest shard, not the model.  The destination is written to a temporary
@@ -13,7 +13,6 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +25,20 @@ from tqdm import tqdm
 
 import fp8rl
 from fp8rl.atomic import atomic_directory
-from fp8rl.checkpoint.formats import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES, quantization_config, scale_name
+from fp8rl.checkpoint.formats import quantization_config, scale_name
 from fp8rl.checkpoint.report import ConversionReport, TensorReport
-from fp8rl.checkpoint.shards import INDEX_NAME, CheckpointError, sha256_file, shard_layout, tree_digest
-from fp8rl.models.layers import kept_layers
+from fp8rl.checkpoint.shards import (
+    INDEX_NAME,
+    CheckpointError,
+    copy_side_files,
+    sha256_file,
+    shard_layout,
+    tree_digest,
+    write_index,
+)
+from fp8rl.models.layers import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES, kept_layers
 from fp8rl.models.loading import read_model_config
-from fp8rl.quant import NonFiniteError, QuantSpec, quantize_weight
+from fp8rl.quant import QuantSpec, quantize_weight
 
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MANIFEST_NAME = "fp8rl_manifest.json"
@@ -74,11 +81,10 @@ def _validate_source(src: Path) -> dict[str, Any]:
     if "quantization_config" in cfg:
         method = cfg["quantization_config"].get("quant_method")
         raise CheckpointError(f"{src / 'config.json'}: checkpoint is already quantized (quant_method={method!r})")
-    if opts_layers := cfg.get("num_hidden_layers"):
-        if not isinstance(opts_layers, int):
-            raise CheckpointError(f"{src / 'config.json'}: num_hidden_layers must be an integer")
-    else:
+    if "num_hidden_layers" not in cfg:
         raise CheckpointError(f"{src / 'config.json'}: num_hidden_layers is missing")
+    if not isinstance(cfg["num_hidden_layers"], int):
+        raise CheckpointError(f"{src / 'config.json'}: num_hidden_layers must be an integer")
     return cfg
 
 
@@ -92,10 +98,9 @@ def _check_tensor(t: torch.Tensor, name: str, file: Path) -> None:
 
 
 def _convert_shard(
-    src_file: Path, dst_file: Path, opts: ConvertOptions, kept: set[int], progress: _Progress
+    src_file: Path, dst_file: Path, opts: ConvertOptions, spec: QuantSpec, kept: set[int], progress: _Progress
 ) -> dict[str, str]:
     """Convert one shard; returns the output weight map entries (tensor -> file name)."""
-    spec = opts.spec()
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(src_file), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
@@ -106,10 +111,7 @@ def _convert_shard(
                 out[name] = t
                 progress.bar.update(1)
                 continue
-            try:
-                q = quantize_weight(t, spec)
-            except NonFiniteError as e:  # pragma: no cover -- _check_tensor catches it first
-                raise CheckpointError(f"{src_file}: tensor {name}: {e}") from e
+            q = quantize_weight(t, spec)
             scale = q.scale_inv.reshape(1) if opts.granularity == "tensor" else q.scale_inv
             out[name] = q.data
             out[scale_name(match["module"], opts.granularity)] = scale
@@ -119,23 +121,11 @@ def _convert_shard(
     return {name: dst_file.name for name in out}
 
 
-def _not_converted(num_layers: int, kept: set[int]) -> list[str]:
+def _not_converted(kept: set[int]) -> list[str]:
     names = ["lm_head"]
     for layer in sorted(kept):
         names += [f"model.layers.{layer}.{suffix}" for suffix in DECODER_LINEAR_SUFFIXES]
     return names
-
-
-def _copy_side_files(src: Path, dst: Path, weight_files: set[str]) -> None:
-    for item in src.iterdir():
-        if item.name in weight_files or item.name in (INDEX_NAME, "config.json") or item.name.startswith("fp8rl_"):
-            continue
-        if item.is_file():
-            shutil.copy2(item, dst / item.name)
-
-
-def _source_hashes(src: Path, files: list[str]) -> dict[str, str]:
-    return {name: sha256_file(src / name) for name in [*files, "config.json"]}
 
 
 def write_manifest(dst: Path, extra: dict[str, Any]) -> None:
@@ -176,43 +166,40 @@ def convert_checkpoint(
         with safe_open(str(src_path / file), framework="pt") as f:
             n_tensors += len(list(f.keys()))
 
-    weight_map: dict[str, str] = {}
     with atomic_directory(dst_path, overwrite=overwrite) as tmp:
         bar = tqdm(total=n_tensors, desc=f"convert -> fp8 {opts.granularity}", unit="tensor", disable=not show_progress)
         progress = _Progress(bar)
+        weight_map: dict[str, str] = {}
         for file in layout.files:
-            weight_map.update(_convert_shard(src_path / file, tmp / file, opts, kept, progress))
+            weight_map.update(_convert_shard(src_path / file, tmp / file, opts, spec, kept, progress))
             if on_shard is not None:
                 on_shard(file)
         bar.close()
         if layout.sharded:
-            total = sum((tmp / f).stat().st_size for f in layout.files)
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        cfg_out = dict(cfg)
-        cfg_out["quantization_config"] = quantization_config(
-            opts.granularity, opts.weight_block, _not_converted(num_layers, kept), opts.fmt
-        )
+            write_index(tmp, layout.files, weight_map)
+        cfg_out = {
+            **cfg,
+            "quantization_config": quantization_config(
+                opts.granularity, opts.weight_block, _not_converted(kept), opts.fmt
+            ),
+        }
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
-        _copy_side_files(src_path, tmp, set(layout.files))
+        copy_side_files(src_path, tmp, {*layout.files, INDEX_NAME, "config.json"})
         report = ConversionReport(
             source=str(src_path), options=dataclasses.asdict(opts), tensors=progress.tensors, kept_layers=sorted(kept)
         )
         report.bytes_before = sum((src_path / f).stat().st_size for f in layout.files)
         report.bytes_after = sum((tmp / f).stat().st_size for f in layout.files)
-        (tmp / REPORT_JSON).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-        (tmp / REPORT_MD).write_text(report.to_markdown())
-        source_hashes = _source_hashes(src_path, layout.files)
-        write_manifest(
-            tmp,
-            {
-                "kind": "fp8-checkpoint",
-                "source": {
-                    "path": str(src_path.resolve()),
-                    "sha256": tree_digest(source_hashes),
-                    "files": source_hashes,
-                },
-                "recipe": {**dataclasses.asdict(opts), "spec": dataclasses.asdict(spec)},
-            },
-        )
+        _write_report_and_manifest(tmp, src_path, layout.files, report, opts, spec)
     return report
+
+
+def _write_report_and_manifest(
+    dst: Path, src: Path, files: list[str], report: ConversionReport, opts: ConvertOptions, spec: QuantSpec
+) -> None:
+    (dst / REPORT_JSON).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    (dst / REPORT_MD).write_text(report.to_markdown())
+    source_hashes = {name: sha256_file(src / name) for name in [*files, "config.json"]}
+    source = {"path": str(src.resolve()), "sha256": tree_digest(source_hashes), "files": source_hashes}
+    recipe = {**dataclasses.asdict(opts), "spec": dataclasses.asdict(spec)}
+    write_manifest(dst, {"kind": "fp8-checkpoint", "source": source, "recipe": recipe})

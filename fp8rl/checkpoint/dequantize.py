@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fp8rl.atomic import atomic_directory
-from fp8rl.checkpoint.convert import MANIFEST_NAME, REPORT_JSON, REPORT_MD, write_manifest
+from fp8rl.checkpoint.convert import write_manifest
 from fp8rl.checkpoint.formats import BLOCK_SCALE_SUFFIX, CT_SCALE_SUFFIX, read_granularity
-from fp8rl.checkpoint.shards import INDEX_NAME, CheckpointError, shard_layout
+from fp8rl.checkpoint.shards import INDEX_NAME, CheckpointError, copy_side_files, shard_layout, write_index
 from fp8rl.models.loading import read_model_config
 from fp8rl.quant import E4M3, E5M2, QuantizedTensor, dequantize
 
@@ -68,17 +68,9 @@ def dequantize_checkpoint(
             save_file(out, str(tmp / file), metadata={"format": "pt"})
             weight_map.update({name: file for name in out})
         if layout.sharded:
-            total = sum((tmp / f).stat().st_size for f in layout.files)
-            (tmp / INDEX_NAME).write_text(
-                json.dumps(
-                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2
-                )
-            )
+            write_index(tmp, layout.files, weight_map)
         cfg_out = {k: v for k, v in cfg.items() if k != "quantization_config"}
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
-        skip = {*layout.files, INDEX_NAME, "config.json", MANIFEST_NAME, REPORT_JSON, REPORT_MD}
-        for item in src_path.iterdir():
-            if item.is_file() and item.name not in skip:
-                (tmp / item.name).write_bytes(item.read_bytes())
+        copy_side_files(src_path, tmp, {*layout.files, INDEX_NAME, "config.json"})
         write_manifest(tmp, {"kind": "dequantized-checkpoint", "source": {"path": str(src_path.resolve())}})
     return Path(dst)

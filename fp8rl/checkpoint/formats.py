@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fp8rl.models.layers import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES  # noqa: F401 -- re-exported
-
 BLOCK_SCALE_SUFFIX = ".weight_scale_inv"
 CT_SCALE_SUFFIX = ".weight_scale"
 

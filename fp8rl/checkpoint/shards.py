@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,3 +55,17 @@ def tree_digest(file_hashes: dict[str, str]) -> str:
     """One hash for a set of files: sha256 over sorted ``name  sha256`` lines."""
     lines = "".join(f"{name}  {digest}\n" for name, digest in sorted(file_hashes.items()))
     return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def write_index(dst: Path, files: list[str], weight_map: dict[str, str]) -> None:
+    """Write ``model.safetensors.index.json`` for the shards ``files`` already in ``dst``."""
+    total = sum((dst / f).stat().st_size for f in files)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(src: Path, dst: Path, skip: set[str]) -> None:
+    """Copy the non-weight files of a checkpoint (tokenizer, generation config, ...) except ``skip``."""
+    for item in src.iterdir():
+        if item.is_file() and item.name not in skip and not item.name.startswith("fp8rl_"):
+            shutil.copy2(item, dst / item.name)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from fp8rl.atomic import atomic_write_bytes
 
 
 def plot_metric_history(
@@ -38,19 +38,5 @@ def plot_metric_history(
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     path = Path(path)
-    _atomic_write_bytes(path, buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
     return path
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    # fp8rl.atomic has only a text variant; this is its binary twin.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

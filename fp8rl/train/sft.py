@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import time
@@ -29,9 +31,6 @@ class SFTOptions:
     eval_examples: int = 200
 
     def cache_key(self) -> str:
-        import hashlib
-        import json
-
         blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -130,7 +130,8 @@ def test_properties(roll: np.ndarray, train: np.ndarray, mask: np.ndarray) -> No
     assert m["token_mult_prob_error"] >= 1.0
     assert m["gen_kl"] >= 0.0 and m["policy_kl"] >= 0.0
     assert 0.0 <= m["js_divergence"] <= math.log(2) + 1e-12
-    assert 0.0 <= m["rollout_probs_diff_mean"] <= m["rollout_probs_diff_max"] <= 1.0
+    # the mean of equal values can exceed their max by an ulp of float summation
+    assert 0.0 <= m["rollout_probs_diff_mean"] <= m["rollout_probs_diff_max"] * (1 + 1e-12) <= 1.0 + 1e-12
     swapped = mismatch_metrics(torch.from_numpy(train), torch.from_numpy(roll), torch.from_numpy(mask))
     # exchanging the engines swaps the two KLs and leaves the symmetric metrics alone
     assert swapped["gen_kl"] == pytest.approx(m["policy_kl"], rel=1e-9, abs=1e-12)
