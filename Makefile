@@ -6,8 +6,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 WORK ?= work
+# helm, kubeconform and the Kubernetes/KubeRay schemas (scripts/k8s_tools.sh; built from Go modules, cached)
+K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 
-.PHONY: install demo test lint typecheck unit gpu-check clean
+.PHONY: install demo test lint typecheck k8s-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -28,8 +30,11 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: lint typecheck
-	$(BIN)/python -m pytest
+k8s-tools: install
+	PYTHON=$(BIN)/python FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/k8s_tools.sh
+
+test: lint typecheck k8s-tools
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python -m pytest
 
 clean:
 	rm -rf $(VENV) $(WORK) dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

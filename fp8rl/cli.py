@@ -12,6 +12,7 @@ from fp8rl.errors import UserError
 
 if TYPE_CHECKING:
     from fp8rl.checkpoint import ConvertOptions
+    from fp8rl.config import RunConfig
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
@@ -100,35 +101,72 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from fp8rl.config import load_recipe, parse_run_config
-    from fp8rl.loop import run_rl
-    from fp8rl.tracking import MlflowSink, configure_mlflow, recipe_tags
+def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
+    """One config per (recipe, seed): the --config file (if any), then the flags over it."""
+    from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
 
-    recipe = load_recipe(args.recipe)
-    cfg = parse_run_config(
-        {
-            "recipe": recipe.model_dump(),
-            "model": args.model,
-            "steps": args.steps,
-            "seed": args.seed,
-            "work_dir": args.work_dir,
-            "experiment": args.experiment,
-        },
-        "command line",
-    )
-    work = Path(cfg.work_dir)
-    model_dir = Path(cfg.model) if cfg.model else _warm_model(work, cfg.preset, args.sft_steps, cfg.seed)
+    base = load_run_config_data(args.config) if args.config else {}
+    recipes = args.recipe or [base.pop("recipe", "fp8-e2e")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [base.get("seed", 0)]
+    except ValueError:
+        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    flags = {
+        "model": args.model,
+        "steps": args.steps,
+        "work_dir": args.work_dir,
+        "experiment": args.experiment,
+        "checkpoint_every": args.checkpoint_every,
+    }
+    base.update({k: v for k, v in flags.items() if v is not None})
+    ray_flags = {
+        "trainer_workers": args.trainer_workers,
+        "rollout_workers": args.rollout_workers,
+        "address": args.ray_address,
+        "layout": args.layout,
+    }
+    if any(v is not None for v in ray_flags.values()):
+        base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
+    base.pop("recipe", None)
+    source = args.config or "command line"
+    out = []
+    for name in recipes:
+        recipe = load_recipe(name) if isinstance(name, str) else name
+        for seed in seeds:
+            out.append(parse_run_config({**base, "recipe": recipe, "seed": seed}, source))
+    return out
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from fp8rl.experiment import compare_recipes, tracked_run
+    from fp8rl.tracking import configure_mlflow
+
+    cfgs = _run_configs(args)
+    work = Path(cfgs[0].work_dir)
+    models = {c.seed: Path(c.model) if c.model else _warm_model(work, c.preset, args.sft_steps, c.seed) for c in cfgs}
     uri = configure_mlflow(work)
-    with MlflowSink(cfg.experiment, f"{recipe.name}-seed{cfg.seed}", work, tags=recipe_tags(recipe.name)) as sink:
-        resolved = cfg.model_dump(mode="json")
-        resolved["recipe_config"] = resolved.pop("recipe")
-        sink.log_params({**resolved, "recipe": recipe.name})
-        result = run_rl(cfg, model_dir, sink)
-    print(
-        f"{recipe.name}: held-out accuracy {result.initial_accuracy:.3f} -> {result.final_accuracy:.3f}, "
-        f"run-mean token_mult_prob_error {result.run_mean('mismatch/token_mult_prob_error'):.5f}"
-    )
+    if len(cfgs) == 1:
+        cfg = cfgs[0]
+        run = tracked_run(
+            cfg,
+            models[cfg.seed],
+            parent_run_id=args.parent_run_id,
+            output_dir=args.output_dir,
+            checkpoint_dir=args.checkpoint_dir,
+        )
+        results = [run.result]
+    elif args.parent_run_id or args.output_dir or args.checkpoint_dir:
+        raise UserError("--parent-run-id, --output-dir and --checkpoint-dir take one recipe and one seed")
+    else:
+        # one model per seed: the comparison's children share their seed's starting point
+        comparison = compare_recipes(cfgs, models, name=args.run_name)
+        results = [r.result for r in comparison.runs]
+        print(comparison.table)
+    for c, r in zip(cfgs, results, strict=True):
+        print(
+            f"{c.recipe.name} seed {c.seed}: held-out accuracy {r.initial_accuracy:.3f} -> {r.final_accuracy:.3f}, "
+            f"run-mean token_mult_prob_error {r.run_mean('mismatch/token_mult_prob_error'):.5f}"
+        )
     print(f"open the runs: mlflow ui --backend-store-uri {uri}")
     return 0
 
@@ -162,18 +200,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised warm-up of the tiny model on the arithmetic task (cached)")
     p.add_argument("--work-dir", default="work")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser("train", help="run the RL loop (one process) for a recipe, tracked in MLflow")
-    p.add_argument("--recipe", default="fp8-e2e", help="bf16 | fp8-rollout | fp8-e2e | path to a recipe YAML")
+    p = sub.add_parser(
+        "train",
+        help="run the RL loop (one process) for one or more recipes, tracked in MLflow",
+        description="Several --recipe or --seeds run as child runs of one MLflow comparison run.",
+    )
+    p.add_argument(
+        "--recipe",
+        action="append",
+        help="bf16 | fp8-rollout | fp8-e2e | path to a recipe YAML; repeat to compare (default: fp8-e2e)",
+    )
+    p.add_argument("--config", default=None, metavar="FILE", help="a run config YAML (fields of RunConfig)")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the SFT-warmed tiny model)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--work-dir", default="work")
-    p.add_argument("--experiment", default="fp8rl")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's, 20)")
+    p.add_argument("--seeds", default=None, metavar="S[,S...]", help="seeds, comma-separated (default: 0)")
+    p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-up steps when no --model is given")
+    p.add_argument("--work-dir", default=None, help="runs, models and the MLflow store (default: work)")
+    p.add_argument("--experiment", default=None, help="MLflow experiment (default: fp8rl)")
+    p.add_argument("--run-name", default="recipe-comparison", help="name of the parent run of a comparison")
+    p.add_argument("--parent-run-id", default=None, help="log as a child of this MLflow run (one recipe and seed)")
+    p.add_argument("--output-dir", default=None, help="save the trained policy here (one recipe and seed)")
+    p.add_argument(
+        "--checkpoint-dir", default=None, help="checkpoint the loop here; a rerun resumes from it (one recipe and seed)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N steps")
+    ray = p.add_argument_group("Ray (any of these runs the loop on Ray actors)")
+    ray.add_argument("--trainer-workers", type=int, default=None, metavar="N", help="data-parallel trainer actors")
+    ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
+    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
+    ray.add_argument("--layout", choices=["split", "colocated"], default=None, help="actor placement")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")

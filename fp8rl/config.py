@@ -101,6 +101,26 @@ class OptimConfig(_Strict):
     micro_batch_size: int = Field(64, ge=1)
 
 
+class ArithmeticTaskConfig(_Strict):
+    """The built-in synthetic task (``fp8rl.tasks.ArithmeticTask``)."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    max_operand: int = Field(20, ge=1)
+    operators: tuple[Literal["+", "-", "*"], ...] = ("+", "-")
+    num_operands: int = Field(2, ge=2)
+
+
+class JsonlTaskConfig(_Strict):
+    """Users' own data: JSONL files of ``{"prompt", "answer"}`` (``fp8rl.tasks.load_jsonl``)."""
+
+    type: Literal["jsonl"]
+    train: str
+    test: str
+
+
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig, Field(discriminator="type")]
+
+
 class Recipe(_Strict):
     """A precision recipe: what is FP8 where, how it is scaled, and how mismatch is corrected."""
 
@@ -117,12 +137,29 @@ class Recipe(_Strict):
         return self
 
 
+class RayConfig(_Strict):
+    """The RL step on Ray (``fp8rl.cluster``): workers, layout, where Ray is, and the fault limits."""
+
+    trainer_workers: int = Field(1, ge=1)
+    rollout_workers: int = Field(1, ge=1)
+    # split: rollout and training on different devices; colocated: shared, time-sliced
+    layout: Literal["split", "colocated"] = "split"
+    # None: RAY_ADDRESS if set, else a local Ray started (and stopped) by the step
+    address: str | None = None
+    # every blocking wait on a worker gives up after this long, naming the worker
+    actor_timeout_s: float = Field(600.0, gt=0)
+    # a dead worker is replaced and the run resumes from its last checkpoint, at most this often
+    max_restarts: int = Field(2, ge=0)
+    object_store_mb: int = Field(512, ge=64)
+
+
 class RunConfig(_Strict):
     """One RL run: a recipe plus everything else the loop needs."""
 
     recipe: Recipe
     model: str | None = None  # None: the tiny model, warmed up by SFT
     preset: str = "tiny"
+    task: TaskConfig = ArithmeticTaskConfig()
     steps: int = Field(20, ge=1)
     seed: int = 0
     grpo: GRPOConfig = GRPOConfig()
@@ -130,7 +167,13 @@ class RunConfig(_Strict):
     optim: OptimConfig = OptimConfig()
     eval_every: int = Field(5, ge=1)
     eval_examples: int = Field(200, ge=1)
+    # held-out avg@k at the rollout temperature, besides greedy accuracy; 0 turns it off
+    eval_samples: int = Field(4, ge=0)
     verify_sync: bool = True
+    # save the loop state every N steps (and at the end) when the run has a checkpoint dir; 0: never
+    checkpoint_every: int = Field(0, ge=0)
+    # None: the loop runs in this process; set: on Ray actors
+    ray: RayConfig | None = None
     work_dir: str = "work"
     experiment: str = "fp8rl"
 
@@ -160,6 +203,20 @@ def load_recipe(name_or_path: str) -> Recipe:
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return parse_recipe(data, str(path))
+
+
+def load_run_config_data(path: str | Path) -> dict[str, Any]:
+    """The mapping in a run-config YAML file (validated later, once flags are merged over it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: run config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a run config must be a mapping of RunConfig fields, got {type(data).__name__}")
+    return data
 
 
 def parse_run_config(data: Any, source: str = "config") -> RunConfig:

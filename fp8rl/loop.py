@@ -20,29 +20,50 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import RunConfig
+from fp8rl.atomic import atomic_directory
+from fp8rl.config import ConfigError, RunConfig
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.models.loading import load_tokenizer
+from fp8rl.models.tiny import pin_tokenizer_class
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import CorrectionConfig, PolicyLossConfig, grpo_advantages, mismatch_correction, mismatch_metrics
-from fp8rl.rollout.base import SamplingParams
+from fp8rl.rollout.base import RolloutGenerator, SamplingParams
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
-from fp8rl.sync import InProcessWeightSync
-from fp8rl.tasks import ArithmeticTask, Example, exact_match_reward
+from fp8rl.run_state import (
+    LoopState,
+    MetricsBuffer,
+    load_latest,
+    python_rng_state,
+    restore_python_rng,
+    save_loop_state,
+)
+from fp8rl.sync import InProcessWeightSync, SyncStats
+from fp8rl.tasks import ArithmeticTask, Example, exact_match_reward, load_jsonl
 from fp8rl.tracking import MetricsSink
-from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
 
 @dataclass
 class RLResult:
+    """Held-out evaluation before the first and after the last step (``eval/...`` keys), and every step's metrics."""
+
     recipe: str
-    initial_accuracy: float
-    final_accuracy: float
+    initial: dict[str, float]
+    final: dict[str, float]
     history: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def initial_accuracy(self) -> float:
+        return self.initial["eval/accuracy"]
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.final["eval/accuracy"]
 
     def run_mean(self, metric: str) -> float:
         vals = [h[metric] for h in self.history if metric in h]
@@ -72,9 +93,51 @@ def loss_config(cfg: RunConfig) -> PolicyLossConfig:
     )
 
 
+class Parts(Protocol):
+    """What one RL run drives: a tokenizer, a rollout side, a training side and the sync between them.
+
+    ``LocalParts`` holds them in this process; ``fp8rl.cluster`` holds them in Ray actors behind
+    the same methods, so ``rl_step`` computes the same thing either way.
+    """
+
+    tok: PreTrainedTokenizerBase
+    bf16_bytes: int
+
+    @property
+    def engine(self) -> RolloutGenerator: ...
+
+    @property
+    def trainer(self) -> PolicyTrainer: ...
+
+    def push_weights(self, version: int) -> SyncStats:
+        """Requantize the trainer's weights with the rollout recipe and load them into the engine(s)."""
+        ...
+
+    def save_policy(self, output_dir: str | Path) -> None: ...
+
+
+class PolicyTrainer(Protocol):
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor: ...
+
+    def policy_step(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        loss_cfg: PolicyLossConfig,
+        temperature: float,
+    ) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
-class _Parts:
-    """What one RL run holds: tokenizer, rollout engine, trainer and the sync between them."""
+class LocalParts:
+    """Engine, trainer and in-process sync in this process (the embedded default)."""
 
     tok: PreTrainedTokenizerBase
     engine: TorchRolloutEngine
@@ -82,16 +145,21 @@ class _Parts:
     sync: InProcessWeightSync
     bf16_bytes: int
 
+    def push_weights(self, version: int) -> SyncStats:
+        return self.sync.push(self.trainer.hf_state_dict(), version=version)
 
-def _build(cfg: RunConfig, model_dir: str | Path, device: str) -> _Parts:
-    recipe, q, o = cfg.recipe, cfg.recipe.quant, cfg.optim
-    spec = quant_spec(cfg)
-    engine = TorchRolloutEngine(
-        model_dir, recipe.rollout_precision, spec, q.bf16_first_layers, q.bf16_last_layers, device
-    )
-    opts = TrainerOptions(
-        precision=recipe.train_precision,
-        spec=spec,
+    def save_policy(self, output_dir: str | Path) -> None:
+        with atomic_directory(output_dir, overwrite=True) as tmp:
+            self.trainer.save(tmp)
+            self.tok.save_pretrained(tmp)
+            pin_tokenizer_class(Path(tmp))
+
+
+def trainer_options(cfg: RunConfig) -> TrainerOptions:
+    q, o = cfg.recipe.quant, cfg.optim
+    return TrainerOptions(
+        precision=cfg.recipe.train_precision,
+        spec=quant_spec(cfg),
         bf16_first_layers=q.bf16_first_layers,
         bf16_last_layers=q.bf16_last_layers,
         lr=o.lr,
@@ -103,13 +171,48 @@ def _build(cfg: RunConfig, model_dir: str | Path, device: str) -> _Parts:
         total_steps=cfg.steps,
         micro_batch_size=o.micro_batch_size,
     )
-    trainer = TorchTrainer(model_dir, opts, device=device)
-    sync = InProcessWeightSync(engine, {m + ".weight" for m in engine.fp8_modules}, spec, verify=cfg.verify_sync)
+
+
+def build_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> TorchRolloutEngine:
+    q = cfg.recipe.quant
+    return TorchRolloutEngine(
+        model_dir, cfg.recipe.rollout_precision, quant_spec(cfg), q.bf16_first_layers, q.bf16_last_layers, device
+    )
+
+
+def build_parts(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalParts:
+    engine = build_engine(cfg, model_dir, device)
+    trainer = TorchTrainer(model_dir, trainer_options(cfg), device=device)
+    names = {m + ".weight" for m in engine.fp8_modules}
+    sync = InProcessWeightSync(engine, names, quant_spec(cfg), verify=cfg.verify_sync)
     bf16_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
-    return _Parts(load_tokenizer(model_dir), engine, trainer, sync, bf16_bytes)
+    return LocalParts(load_tokenizer(model_dir), engine, trainer, sync, bf16_bytes)
 
 
-def _rl_step(cfg: RunConfig, parts: _Parts, examples: list[Example], step: int) -> dict[str, float]:
+def task_examples(cfg: RunConfig, train_size: int = 20_000) -> tuple[list[Example], list[Example]]:
+    """The training pool and the held-out examples of ``cfg.task`` (distinct, at most ``cfg.eval_examples``).
+
+    The arithmetic task's held-out set does not depend on the run's seed, so every seed and
+    recipe is evaluated on the same problems.
+    """
+    t = cfg.task
+    if t.type == "jsonl":
+        train, test = load_jsonl(t.train), load_jsonl(t.test)
+    else:
+        task = ArithmeticTask(max_operand=t.max_operand, operators=t.operators, num_operands=t.num_operands)
+        train, test = task.examples("train", train_size), task.examples("test", cfg.eval_examples)
+    if len(train) < cfg.grpo.prompts_per_step:
+        raise ConfigError(
+            f"grpo.prompts_per_step: {cfg.grpo.prompts_per_step} prompts per step, but the task has "
+            f"{len(train)} training examples"
+        )
+    heldout = list({e.prompt: e for e in test}.values())[: cfg.eval_examples]
+    if not heldout:
+        raise ConfigError("task: no held-out examples to evaluate on")
+    return train, heldout
+
+
+def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) -> dict[str, float]:
     """One RL step (module docstring, 1-5); returns its metrics."""
     tok, engine, trainer = parts.tok, parts.engine, parts.trainer
     g, temperature = cfg.grpo.group_size, cfg.sampling.temperature
@@ -136,7 +239,7 @@ def _rl_step(cfg: RunConfig, parts: _Parts, examples: list[Example], step: int) 
     weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, correction_config(cfg))
     train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, loss_config(cfg), temperature)
     t3 = time.perf_counter()
-    stats = parts.sync.push(trainer.hf_state_dict(), version=step)
+    stats = parts.push_weights(step)
     t4 = time.perf_counter()
     tokens = float(mask.sum())
     return {
@@ -159,40 +262,101 @@ def _rl_step(cfg: RunConfig, parts: _Parts, examples: list[Example], step: int) 
     }
 
 
+def evaluate_heldout(cfg: RunConfig, parts: Parts, heldout: list[Example]) -> dict[str, float]:
+    """``eval/accuracy`` (greedy) and ``eval/sampled_accuracy`` (avg@``cfg.eval_samples`` at the rollout
+    temperature, fixed seed) of the policy the engine now serves, on the held-out examples."""
+    max_tokens = cfg.sampling.max_tokens
+    greedy = evaluate(parts.engine, parts.tok, heldout, max_tokens)
+    out = {"eval/accuracy": greedy["accuracy"], "eval/response_tokens": greedy["response_tokens"]}
+    if cfg.eval_samples:
+        sampled = evaluate(
+            parts.engine,
+            parts.tok,
+            heldout,
+            max_tokens,
+            temperature=cfg.sampling.temperature,
+            samples=cfg.eval_samples,
+            seed=cfg.seed,
+        )
+        out["eval/sampled_accuracy"] = sampled["accuracy"]
+    return out
+
+
+def _eval_line(m: dict[str, float]) -> str:
+    sampled = f" (sampled {m['eval/sampled_accuracy']:.3f})" if "eval/sampled_accuracy" in m else ""
+    return f"{m['eval/accuracy']:.3f}{sampled}"
+
+
 def run_rl(
     cfg: RunConfig,
     model_dir: str | Path,
     sink: MetricsSink,
-    task: ArithmeticTask | None = None,
     log: Callable[[str], None] = print,
     device: str = "cpu",
+    output_dir: str | Path | None = None,
+    parts: Parts | None = None,
+    checkpoint_dir: str | Path | None = None,
 ) -> RLResult:
-    """Run ``cfg.steps`` RL steps from the checkpoint at ``model_dir``; metrics go to ``sink``."""
+    """Run ``cfg.steps`` RL steps from the checkpoint at ``model_dir``; metrics go to ``sink``.
+
+    ``parts`` defaults to engine + trainer in this process (``build_parts``).  With
+    ``checkpoint_dir`` and ``cfg.checkpoint_every > 0``, the loop state is saved every that
+    many steps and at the end, metrics reach ``sink`` only once their step is checkpointed,
+    and a run that finds a checkpoint there resumes after its step (``fp8rl.run_state``).
+    With ``output_dir``, the trained policy is saved there at the end as an HF checkpoint
+    (bf16, the trainer's weights; atomically, replacing what was there).
+    """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    task = task or ArithmeticTask()
     name = cfg.recipe.name
-    parts = _build(cfg, model_dir, device)
-    train_pool: list[Example] = task.examples("train", 20_000)
-    heldout = task.examples("test", cfg.eval_examples)
-    max_tokens = cfg.sampling.max_tokens
-    initial = evaluate(parts.engine, parts.tok, heldout, max_tokens)
-    sink.log_metrics({"eval/accuracy": initial["accuracy"], "eval/response_tokens": initial["response_tokens"]}, step=0)
-    log(f"[{name}] step 0 held-out accuracy {initial['accuracy']:.3f}")
-    result = RLResult(name, initial["accuracy"], initial["accuracy"])
-    for step in range(1, cfg.steps + 1):
-        metrics = _rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
+    parts = parts or build_parts(cfg, model_dir, device)
+    train_pool, heldout = task_examples(cfg)
+    every = cfg.checkpoint_every if checkpoint_dir is not None else 0
+    out = MetricsBuffer(sink, buffered=every > 0)
+    state = load_latest(checkpoint_dir) if checkpoint_dir is not None and every else None
+    if state is None:
+        initial = evaluate_heldout(cfg, parts, heldout)
+        out.log(initial, step=0)
+        log(f"[{name}] step 0 held-out accuracy {_eval_line(initial)}")
+        result, first = RLResult(name, initial, initial), 1
+    else:
+        parts.trainer.load_state_dict(state.trainer)
+        restore_python_rng(rng, state.python_rng)
+        torch.set_rng_state(state.torch_rng)
+        parts.push_weights(state.step)
+        result, first = RLResult(name, state.initial, state.final, state.history), state.step + 1
+        log(f"[{name}] resumed from the checkpoint of step {state.step} in {checkpoint_dir}")
+    for step in range(first, cfg.steps + 1):
+        metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            ev = evaluate(parts.engine, parts.tok, heldout, max_tokens)
-            metrics["eval/accuracy"] = ev["accuracy"]
-            metrics["eval/response_tokens"] = ev["response_tokens"]
-            result.final_accuracy = ev["accuracy"]
-        sink.log_metrics(metrics, step=step)
+            result.final = evaluate_heldout(cfg, parts, heldout)
+            metrics.update(result.final)
+        out.log(metrics, step=step)
         result.history.append(metrics)
-        log(
-            f"[{name}] step {step}/{cfg.steps} reward {metrics['reward']:.3f} "
-            f"loss {metrics['train/loss']:+.4f} tmpe {metrics['mismatch/token_mult_prob_error']:.5f} "
-            + (f"eval {metrics['eval/accuracy']:.3f} " if "eval/accuracy" in metrics else "")
-            + f"({metrics['time/step_s']:.1f}s)"
-        )
+        log(_step_line(name, step, cfg.steps, metrics))
+        if every and checkpoint_dir is not None and (step % every == 0 or step == cfg.steps):
+            state = LoopState(
+                step,
+                parts.trainer.state_dict(),
+                python_rng_state(rng),
+                torch.get_rng_state(),
+                result.initial,
+                result.final,
+                result.history,
+            )
+            save_loop_state(checkpoint_dir, state)
+            out.flush()
+    out.flush()
+    if output_dir is not None:
+        parts.save_policy(output_dir)
+        log(f"[{name}] trained policy saved to {output_dir}")
     return result
+
+
+def _step_line(name: str, step: int, steps: int, m: dict[str, float]) -> str:
+    return (
+        f"[{name}] step {step}/{steps} reward {m['reward']:.3f} "
+        f"loss {m['train/loss']:+.4f} tmpe {m['mismatch/token_mult_prob_error']:.5f} "
+        + (f"eval {_eval_line(m)} " if "eval/accuracy" in m else "")
+        + f"({m['time/step_s']:.1f}s)"
+    )

@@ -46,10 +46,17 @@ class Rollout:
         return int(self.response_mask.sum())
 
 
-class RolloutEngine(Protocol):
+class RolloutGenerator(Protocol):
+    """What the loop and the evaluation need: generation, and the version and pad id it serves."""
+
     policy_version: int
+    pad_token_id: int
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout: ...
+
+
+class RolloutEngine(RolloutGenerator, Protocol):
+    """A rollout engine in this process: generation plus in-place weight loading."""
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | QuantizedTensor], version: int) -> None:
         """Overwrite weights in place (HF names); FP8 entries come as QuantizedTensor."""

@@ -67,6 +67,25 @@ class TorchRolloutEngine:
         self.eos_token_id = int(eos_token_id if eos_token_id is not None else cfg.eos_token_id)
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else (cfg.pad_token_id or 0))
         self.policy_version = 0
+        self.asleep = False
+
+    # ---- colocation ----------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Give the device memory to a trainer sharing it: weights go to host memory until ``wake_up``.
+
+        The KV cache lives only inside ``generate``, so the weights are all there is to free.
+        On a CPU engine there is no device memory to give back; the state still changes, so
+        a generate call on a sleeping engine fails the same way everywhere.
+        """
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+        self.asleep = False
 
     # ---- weights -------------------------------------------------------------------------------------
     def held_weights(self) -> dict[str, torch.Tensor | QuantizedTensor]:
@@ -106,6 +125,8 @@ class TorchRolloutEngine:
     # ---- generation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep (colocated with training); wake_up() first")
         n = len(prompt_ids)
         if n == 0 or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one non-empty prompt")

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from fp8rl.errors import UserError
 from fp8rl.tracking.mlflow_sink import PARENT_RUN_TAG, RECIPE_KEY
 
-TOKEN_MULT_PROB_ERROR = "token_mult_prob_error"
+# the key fp8rl.loop logs it under
+TOKEN_MULT_PROB_ERROR = "mismatch/token_mult_prob_error"
 
 
 @dataclass(frozen=True)
@@ -81,15 +82,15 @@ def fetch_recipe_runs(
 
 def comparison_table(runs: Sequence[RunSummary], metrics: Sequence[str]) -> str:
     """A Markdown table, one row per run: the final value of each metric, and the run-mean
-    of ``token_mult_prob_error`` (mean_t over steps of the per-step value) when any run has it.
+    of ``token_mult_prob_error`` (mean over steps of the per-step value) when any run has it.
     """
     with_mean = any(TOKEN_MULT_PROB_ERROR in r.histories for r in runs)
-    header = ["recipe", "status", *(f"{m} (final)" for m in metrics)]
+    header = ["recipe", "run", "status", *(f"{m} (final)" for m in metrics)]
     if with_mean:
-        header.append(f"{TOKEN_MULT_PROB_ERROR} (mean)")
+        header.append("token_mult_prob_error (mean)")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
-        cells = [_escape(run.recipe), run.status, *(_number(run.final(m)) for m in metrics)]
+        cells = [_escape(run.recipe), _escape(run.run_name), run.status, *(_number(run.final(m)) for m in metrics)]
         if with_mean:
             cells.append(_number(run.mean(TOKEN_MULT_PROB_ERROR)))
         lines.append("| " + " | ".join(cells) + " |")

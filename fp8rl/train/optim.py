@@ -8,6 +8,7 @@ AdamW step the masters are rounded back into the bf16 parameters.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ class MasterWeightAdamW:
         for m in self.master:
             m.grad = torch.zeros_like(m)
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        # Data parallelism: sums the accumulated fp32 gradients across ranks before clipping
+        # (set by the worker that owns the process group; None in one process).
+        self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None
 
     @torch.no_grad()
     def accumulate(self, scale: float = 1.0) -> None:
@@ -40,6 +44,8 @@ class MasterWeightAdamW:
     @torch.no_grad()
     def step(self, grad_clip: float) -> float:
         """Clip, step, copy masters into the model; returns the pre-clip global grad norm."""
+        if self.grad_reducer is not None:
+            self.grad_reducer([m.grad for m in self.master if m.grad is not None])
         norm = float(nn.utils.clip_grad_norm_(self.master, grad_clip))
         if math.isfinite(norm):
             self.optimizer.step()

@@ -24,7 +24,7 @@ from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 class SFTOptions:
     preset: str = "tiny"
     task: ArithmeticTask = field(default_factory=ArithmeticTask)
-    steps: int = 300
+    steps: int = 600
     batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -70,6 +71,11 @@ def build_batch(
     return SequenceBatch(ids, attn, positions, response_mask.cpu().float(), width)
 
 
+def policy_batch_totals(loss_mask: torch.Tensor) -> tuple[float, float]:
+    """(valid tokens, valid sequences) of a policy batch: the denominators of its loss aggregation."""
+    return float(loss_mask.sum().clamp(min=1)), float((loss_mask.sum(-1) > 0).sum().clamp(min=1))
+
+
 class TorchTrainer:
     def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
         if opts.precision not in ("bf16", "fp8"):
@@ -125,15 +131,20 @@ class TorchTrainer:
         loss_mask: torch.Tensor,
         loss_cfg: PolicyLossConfig,
         temperature: float,
+        totals: tuple[float, float] | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the PPO-clip/GRPO loss over the whole batch, in micro-batches.
 
         ``advantages [N]``, ``old_logprobs``/``is_weights``/``loss_mask [N, T]``.  The per-micro-batch
-        losses are weighted so the result equals the loss aggregated over the full batch.
+        losses are weighted so the result equals the loss aggregated over the full batch.  A
+        data-parallel rank passes the global ``totals`` (valid tokens, valid sequences) of the
+        batch all ranks share, so its weighted loss and metrics are its exact part of the global
+        ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
         """
         n = batch.input_ids.shape[0]
-        total_tokens = float(loss_mask.sum().clamp(min=1))
-        total_seqs = float((loss_mask.sum(-1) > 0).sum().clamp(min=1))
+        if totals is None:
+            totals = policy_batch_totals(loss_mask)
+        total_tokens, total_seqs = totals
         sums: dict[str, float] = {}
         loss_total = 0.0
         for s in range(0, n, self.opts.micro_batch_size):
@@ -186,6 +197,27 @@ class TorchTrainer:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's (bf16) weights under their HF names: what is synced and checkpointed."""
         return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs: fp32 masters, AdamW state, schedule position, step count."""
+        return {
+            "masters": [m.detach().clone() for m in self.optimizer.master],
+            "optimizer": self.optimizer.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step_count": self.step_count,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        masters = state["masters"]
+        if len(masters) != len(self.optimizer.master):
+            raise ValueError(f"trainer state has {len(masters)} master tensors, the model {len(self.optimizer.master)}")
+        for m, p, saved in zip(self.optimizer.master, self.optimizer.params, masters, strict=True):
+            m.copy_(saved)
+            p.copy_(saved)
+        self.optimizer.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step_count"])
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save an HF checkpoint (bf16); FP8 linears are plain ``nn.Linear`` subclasses with the same names."""

@@ -21,6 +21,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fp8rl.tracking import (
+    TOKEN_MULT_PROB_ERROR,
     MlflowSink,
     comparison_table,
     fetch_recipe_runs,
@@ -116,7 +117,7 @@ def test_recipe_runs_round_trip_through_a_tracking_server(
         with MlflowSink(EXPERIMENT, recipe, work, parent_run_id=parent_id, tags=recipe_tags(recipe)) as sink:
             sink.log_params({**recipe_tags(recipe), "optim": {"lr": 1e-6}})
             for step in range(5):
-                sink.log_metrics({"reward": slope * step, "token_mult_prob_error": 1.0 + step / 100}, step)
+                sink.log_metrics({"reward": slope * step, TOKEN_MULT_PROB_ERROR: 1.0 + step / 100}, step)
             sink.log_metrics({"grad_norm": float("nan")}, step=5)  # non-finite values go as-is
             sink.log_artifact(report, "reports")
 
@@ -125,7 +126,9 @@ def test_recipe_runs_round_trip_through_a_tracking_server(
     assert [r.final("reward") for r in runs] == [pytest.approx(0.4), pytest.approx(0.36)]
     assert all(math.isnan(r.final("grad_norm") or 0.0) for r in runs)
     table = comparison_table(runs, ["reward"])
-    assert "| bf16 | FINISHED | 0.4 | 1.02 |" in table and "| fp8-e2e | FINISHED | 0.36 | 1.02 |" in table
+    assert (
+        "| bf16 | bf16 | FINISHED | 0.4 | 1.02 |" in table and "| fp8-e2e | fp8-e2e | FINISHED | 0.36 | 1.02 |" in table
+    )
 
     plot = plot_metric_history({r.recipe: r.histories["reward"] for r in runs}, "reward", tmp_path / "reward.png")
     with MlflowSink.attach(parent_id, work) as parent:

@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 
 from fp8rl.tracking import (
     MAX_PARAM_VALUE_LENGTH,
+    TOKEN_MULT_PROB_ERROR,
     MemorySink,
     MetricsSink,
     MlflowSink,
@@ -97,7 +98,7 @@ def test_metrics_keep_their_steps_and_large_batches_are_split(work_dir: Path, ex
     rewards = [0.1, 0.4, float("nan"), 0.8]
     with MlflowSink(experiment, "r", work_dir) as sink:
         for step, reward in enumerate(rewards):
-            sink.log_metrics({"reward": reward, "token_mult_prob_error": 1.0 + step / 100}, step=step)
+            sink.log_metrics({"reward": reward, TOKEN_MULT_PROB_ERROR: 1.0 + step / 100}, step=step)
         # more keys than MLflow accepts in one log_batch (1000): the sink must chunk
         sink.log_metrics({f"layer{i}/amax": float(i) for i in range(1200)}, step=0)
     client = client_for(work_dir)
@@ -199,7 +200,7 @@ def test_comparison_table_has_each_recipe_and_its_final_values(work_dir: Path, e
         with MlflowSink(experiment, recipe, work_dir, parent_id, tags=recipe_tags(recipe)) as sink:
             sink.log_params(recipe_tags(recipe))
             for step in range(3):
-                sink.log_metrics({"reward": reward[recipe][step], "token_mult_prob_error": tmpe[recipe][step]}, step)
+                sink.log_metrics({"reward": reward[recipe][step], TOKEN_MULT_PROB_ERROR: tmpe[recipe][step]}, step)
     with MlflowSink(experiment, "other-comparison", work_dir, tags=recipe_tags("bf16")):
         pass
     uri = default_tracking_uri(work_dir)
@@ -208,14 +209,16 @@ def test_comparison_table_has_each_recipe_and_its_final_values(work_dir: Path, e
     assert [r.recipe for r in runs] == ["bf16", "fp8-e2e", "fp8-rollout"]
     table = comparison_table(runs, ["reward", "accuracy"])
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
-    assert rows[0] == ["recipe", "status", "reward (final)", "accuracy (final)", "token_mult_prob_error (mean)"]
+    header = ["recipe", "run", "status", "reward (final)", "accuracy (final)", "token_mult_prob_error (mean)"]
+    assert rows[0] == header
     by_recipe = {row[0]: row for row in rows[2:]}
     assert set(by_recipe) == set(reward)
     for recipe, row in by_recipe.items():
-        assert row[1] == "FINISHED"
-        assert float(row[2]) == reward[recipe][-1]
-        assert row[3] == "n/a"
-        assert float(row[4]) == pytest.approx(math.fsum(tmpe[recipe]) / 3, rel=1e-5)
+        assert row[1] == recipe  # the run name
+        assert row[2] == "FINISHED"
+        assert float(row[3]) == reward[recipe][-1]
+        assert row[4] == "n/a"
+        assert float(row[5]) == pytest.approx(math.fsum(tmpe[recipe]) / 3, rel=1e-5)
 
     everything = fetch_recipe_runs(experiment, None, uri)
     assert [r.recipe for r in everything] == ["bf16", "bf16", "fp8-e2e", "fp8-rollout"]  # parent has no recipe

