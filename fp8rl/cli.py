@@ -143,7 +143,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfgs = _run_configs(args)
     work = Path(cfgs[0].work_dir)
-    models = {c.seed: Path(c.model) if c.model else _warm_model(work, c.preset, args.sft_steps, c.seed) for c in cfgs}
+    models: dict[int, Path] = {}
+    for c in cfgs:  # one starting checkpoint per seed, shared by that seed's recipes
+        if c.seed not in models:
+            models[c.seed] = Path(c.model) if c.model else _warm_model(work, c.preset, args.sft_steps, c.seed)
     uri = configure_mlflow(work)
     if len(cfgs) == 1:
         cfg = cfgs[0]

@@ -31,7 +31,7 @@ class Rollout:
     including the EOS that ended a response), ``logprobs [N, T]`` float32: the log
     probability of each sampled token under the engine's own forward (ROLLOUT numerics),
     0 where masked.  ``prompt_ids`` are the unpadded prompts; ``policy_version`` is the
-    version of the weights that generated this rollout.
+    version of the weights that generated this rollout.  Tensors are on the CPU.
     """
 
     prompt_ids: list[list[int]]

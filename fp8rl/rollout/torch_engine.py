@@ -167,12 +167,13 @@ class TorchRolloutEngine:
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         mask = torch.stack(alive, dim=1).to(torch.float32)
+        # a Rollout is host data (it crosses to the trainer, possibly another process)
         return Rollout(
             prompt_ids=[list(p) for p in prompt_ids],
-            response_ids=torch.stack(tokens, dim=1),
-            response_mask=mask,
-            logprobs=torch.stack(lps, dim=1).to(torch.float32) * mask,
-            finished=finished,
+            response_ids=torch.stack(tokens, dim=1).cpu(),
+            response_mask=mask.cpu(),
+            logprobs=(torch.stack(lps, dim=1).to(torch.float32) * mask).cpu(),
+            finished=finished.cpu(),
             policy_version=self.policy_version,
         )
 

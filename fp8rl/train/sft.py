@@ -36,7 +36,11 @@ class SFTOptions:
 
 
 def sft_warmup(
-    out_dir: str | os.PathLike[str], opts: SFTOptions, log_every: int = 50, overwrite: bool = False
+    out_dir: str | os.PathLike[str],
+    opts: SFTOptions,
+    log_every: int = 50,
+    overwrite: bool = False,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Train the tiny model on prompt -> answer + EOS (bf16, fp32 masters) and save it to ``out_dir``."""
     torch.manual_seed(opts.seed)
@@ -51,6 +55,7 @@ def sft_warmup(
             schedule="cosine",
             micro_batch_size=opts.batch_size,
         ),
+        device=device,
     )
     train = opts.task.examples("train", 20_000)
     eos = tok.eos_token_id
@@ -76,7 +81,7 @@ def sft_warmup(
         trainer.save(tmp)
         tok.save_pretrained(tmp)
         pin_tokenizer_class(Path(tmp))
-    engine = TorchRolloutEngine(out_dir, "bf16")
+    engine = TorchRolloutEngine(out_dir, "bf16", device=device)
     result = evaluate(engine, tok, opts.task.examples("test", opts.eval_examples))
     return {
         "sft_loss": metrics["sft_loss"],

@@ -120,7 +120,10 @@ def test_compare_recipes_logs_children_plots_and_config(tmp_path: Path, warm_mod
     for child in children:
         assert child.info.status == "FINISHED"
         assert child.data.tags["recipe"] == child.data.params["recipe"] == child.info.run_name.rsplit("-seed", 1)[0]
-        assert child.data.params["grpo.group_size"] == "8" and child.data.params["recipe_config.quant.granularity"] == "block"
+        assert (
+            child.data.params["grpo.group_size"] == "8"
+            and child.data.params["recipe_config.quant.granularity"] == "block"
+        )
         names = {a.path for a in client.list_artifacts(child.info.run_id, "plots")}
         assert names == {
             "plots/reward.png",
