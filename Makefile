@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: install
-	$(BIN)/fp8rl demo --work-dir $(WORK)
+	$(BIN)/python -m pipelines.submit recipe-comparison --local --work-dir $(WORK)
 
 lint: install
 	$(BIN)/ruff check .

@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, metavar="FILE", help="a run config YAML (fields of RunConfig)")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the SFT-warmed tiny model)")
-    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's, 20)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's, 60)")
     p.add_argument("--seeds", default=None, metavar="S[,S...]", help="seeds, comma-separated (default: 0)")
     p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-up steps when no --model is given")
     p.add_argument("--work-dir", default=None, help="runs, models and the MLflow store (default: work)")

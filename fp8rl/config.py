@@ -74,7 +74,7 @@ class GRPOConfig(_Strict):
     """GRPO as a configuration of PPO-clip (defaults: DAPO clip-higher and token-mean aggregation)."""
 
     group_size: int = Field(8, ge=2)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
     clip_high: float = Field(0.28, ge=0.0)
     dual_clip: float | None = Field(None, gt=1.0)
@@ -92,11 +92,12 @@ class SamplingConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(2e-5, gt=0.0)
+    # tuned on the tiny model (docs/rl.md); billion-parameter LLMs use ~1e-6 (veRL, NeMo RL GRPO recipes)
+    lr: float = Field(1e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0.0)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(10, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
     micro_batch_size: int = Field(64, ge=1)
 
@@ -160,7 +161,7 @@ class RunConfig(_Strict):
     model: str | None = None  # None: the tiny model, warmed up by SFT
     preset: str = "tiny"
     task: TaskConfig = ArithmeticTaskConfig()
-    steps: int = Field(20, ge=1)
+    steps: int = Field(60, ge=1)
     seed: int = 0
     grpo: GRPOConfig = GRPOConfig()
     sampling: SamplingConfig = SamplingConfig()

@@ -16,13 +16,20 @@ from fp8rl.sync.inprocess import (
     requantize_for_rollout,
     verify_engine_weights,
 )
+from fp8rl.sync.nccl import NcclWeightSync, SyncLayout, broadcast_payload, layout_of, new_sync_group, receive_into
 
 __all__ = [
     "InProcessWeightSync",
+    "NcclWeightSync",
+    "SyncLayout",
     "SyncStats",
     "SyncVerificationError",
     "WeightSync",
+    "broadcast_payload",
+    "layout_of",
+    "new_sync_group",
     "payload_bytes",
+    "receive_into",
     "requantize_for_rollout",
     "verify_engine_weights",
 ]

@@ -1,0 +1,36 @@
+"""Throughput benchmark of one recipe's RL step: rollout / train tokens/s and weight-sync time and bytes."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Metrics, Model, Output
+
+from components.images import RUNTIME_IMAGE
+
+
+@dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
+def benchmark(
+    model: Input[Model],
+    mlflow_run: Input[Artifact],
+    recipe: str,
+    seed: int,
+    run_config: dict,
+    pipeline_name: str,
+    kfp_run_id: str,
+    metrics: Output[Metrics],
+    run_id: str = "",
+    steps: int = 3,
+    warmup_steps: int = 1,
+    device: str = "auto",
+) -> str:
+    """Median throughput over ``steps`` timed RL steps after ``warmup_steps`` (``fp8rl.bench.throughput``), logged
+    as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty); returns that run id."""
+    from components.runtime import kfp_tags, log_kfp_metrics, log_to_recipe_run, read_run_ref
+    from components.runtime import run_config as make_config
+    from fp8rl.bench.throughput import benchmark_recipe
+
+    ref = read_run_ref(mlflow_run)
+    cfg = make_config(recipe, steps + warmup_steps, seed, run_config, ref)
+    result = benchmark_recipe(cfg, model.path, device, steps=steps, warmup_steps=warmup_steps)
+    run_id = log_to_recipe_run(ref, run_id, recipe, result.metrics(), kfp_tags(pipeline_name, kfp_run_id, "benchmark"))
+    log_kfp_metrics(metrics, result.metrics())
+    metrics.metadata["device_name"] = result.device_name
+    return run_id

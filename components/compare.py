@@ -1,0 +1,42 @@
+"""Recipe comparison: read the recipe runs back from MLflow and write the report (Markdown and HTML)."""
+
+from kfp import dsl
+from kfp.dsl import HTML, Artifact, Input, Markdown, Output
+
+from components.images import COMPONENT_IMAGE
+
+
+@dsl.component(base_image=COMPONENT_IMAGE, install_kfp_package=False)
+def compare_recipes(
+    mlflow_run: Input[Artifact],
+    run_ids: list,
+    conversion_report: Input[Markdown],
+    pipeline_name: str,
+    kfp_run_id: str,
+    report: Output[Markdown],
+    report_html: Output[HTML],
+) -> None:
+    """Table of final accuracy, mismatch and throughput per recipe, with plots (``fp8rl.bench.report``), for the
+    runs ``run_ids`` (empty: every recipe run under the comparison run); the FP8 conversion report is appended.
+    The report is logged to the comparison run, which then ends FINISHED (FAILED if this step fails)."""
+    import tempfile
+    from pathlib import Path
+
+    from components.runtime import read_run_ref
+    from fp8rl.atomic import atomic_write_text
+    from fp8rl.bench.report import build_comparison_report
+    from fp8rl.tracking import MlflowSink
+
+    ref = read_run_ref(mlflow_run)
+    with MlflowSink.attach(ref.run_id, ref.work_dir) as parent:
+        result = build_comparison_report(
+            ref.experiment, ref.run_id, parent.tracking_uri, list(run_ids) or None, title=f"{pipeline_name}: recipes",
+            context=[f"KFP pipeline `{pipeline_name}`, run `{kfp_run_id}`."],
+            appendix_markdown=Path(conversion_report.path).read_text(),
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="fp8rl-report-") as tmp:
+            parent.log_artifact(result.write(tmp))
+    report.metadata.update({"table": result.table, "mlflow_run_id": ref.run_id, "tracking_uri": ref.tracking_uri})
+    atomic_write_text(report.path, result.markdown)
+    atomic_write_text(report_html.path, result.html)
+    print(result.table)

@@ -1,0 +1,31 @@
+"""Held-out evaluation of a trained checkpoint with the rollout engine, under the recipe's rollout numerics."""
+
+from kfp import dsl
+from kfp.dsl import Artifact, Input, Metrics, Model, Output
+
+from components.images import RUNTIME_IMAGE
+
+
+@dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
+def evaluate(
+    model: Input[Model],
+    mlflow_run: Input[Artifact],
+    run_id: str,
+    recipe: str,
+    seed: int,
+    run_config: dict,
+    metrics: Output[Metrics],
+    device: str = "auto",
+) -> None:
+    """Greedy and sampled held-out accuracy and response statistics (``fp8rl.bench.evaluate``), logged to the
+    recipe's MLflow run ``run_id`` as ``evaluate/*`` and to ``metrics``."""
+    from components.runtime import log_kfp_metrics, log_to_recipe_run, read_run_ref
+    from components.runtime import run_config as make_config
+    from fp8rl.bench.evaluate import evaluate_checkpoint
+
+    ref = read_run_ref(mlflow_run)
+    cfg = make_config(recipe, 1, seed, run_config, ref)
+    results = evaluate_checkpoint(cfg, model.path, device)
+    log_to_recipe_run(ref, run_id, recipe, results, tags={})
+    log_kfp_metrics(metrics, results)
+    print(", ".join(f"{k} {v:.4f}" for k, v in results.items()))

@@ -1,0 +1,124 @@
+"""The RL step as a KubeRay RayJob (the RL-step component's ``rayjob`` backend).
+
+Paths are shared: the pipelines mount the data PVC at ``/data`` in the step's pod, and the
+chart's RayJob template (``pvcName``) mounts the same PVC at ``/data`` in every Ray pod, so a
+path under ``cfg.work_dir`` (``/data/fp8rl`` on a cluster) names the same file on both sides.
+
+1. Stage under ``<work_dir>/kfp-runs/<kfp run id>/<recipe>-seed<seed>/``: the input checkpoint
+   (``model/``, copied from the KFP artifact) and the resolved run config (``run-config.yaml``).
+2. Build the RayJob from the chart's template (``fp8rl.cluster.build_rayjob``); its entrypoint is
+   ``fp8rl train --config ... --model ... --output-dir .../trained --parent-run-id ... --work-dir ...``.
+3. ``fp8rl.cluster.submit_rayjob`` creates it, streams the driver's log, and raises
+   ``RayJobFailed`` naming the cause (image pull, unschedulable, OOM, the driver's traceback).
+4. The recipe's MLflow run is the child of the comparison run that ``fp8rl train`` made for
+   this recipe and seed; the KFP tags are added to it.
+5. The trained checkpoint is copied from the volume into the step's output artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fp8rl.atomic import atomic_directory, atomic_write_text
+from fp8rl.config import RunConfig
+from fp8rl.errors import UserError
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+STAGE_DIR = "kfp-runs"
+MAX_NAME = 47  # KubeRay's limit for RayJob names (fp8rl.cluster.rayjob.MAX_NAME_LENGTH)
+
+
+def current_namespace() -> str:
+    """The step pod's namespace (its service account's), else ``$POD_NAMESPACE``, else ``default``."""
+    if SERVICE_ACCOUNT_NAMESPACE.is_file():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return os.environ.get("POD_NAMESPACE", "default")
+
+
+def rayjob_name(recipe: str, seed: int, kfp_run_id: str) -> str:
+    """``fp8rl-<recipe>-<hash>``: a DNS-1035 label of at most 47 characters, unique per KFP run, recipe and seed."""
+    digest = hashlib.sha256(f"{kfp_run_id}/{recipe}/{seed}".encode()).hexdigest()[:8]
+    slug = re.sub(r"[^a-z0-9-]+", "-", recipe.lower()).strip("-")[: MAX_NAME - len("fp8rl--") - len(digest)]
+    return f"fp8rl-{slug.strip('-') or 'recipe'}-{digest}"
+
+
+def stage(cfg: RunConfig, model_dir: str | Path, kfp_run_id: str) -> Path:
+    """Copy the checkpoint and write the run config under the shared work directory; returns the stage dir."""
+    from fp8rl.experiment import resolved_config
+
+    stage_dir = Path(cfg.work_dir) / STAGE_DIR / (kfp_run_id or "no-run-id") / f"{cfg.recipe.name}-seed{cfg.seed}"
+    with atomic_directory(stage_dir / "model", overwrite=True) as tmp:
+        shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+    atomic_write_text(stage_dir / "run-config.yaml", yaml.safe_dump(resolved_config(cfg), sort_keys=False))
+    return stage_dir
+
+
+def train_entrypoint(stage_dir: Path, parent_run_id: str, work_dir: str) -> list[str]:
+    return [
+        "fp8rl", "train", "--config", str(stage_dir / "run-config.yaml"), "--model", str(stage_dir / "model"),
+        "--output-dir", str(stage_dir / "trained"), "--parent-run-id", parent_run_id, "--work-dir", work_dir,
+    ]  # fmt: skip
+
+
+def find_recipe_run(cfg: RunConfig, parent_run_id: str) -> str:
+    """The run ``fp8rl train`` made for ``cfg`` under ``parent_run_id`` (the latest, if it was retried)."""
+    from fp8rl.experiment import run_name
+    from fp8rl.tracking import configure_mlflow, fetch_recipe_runs
+
+    runs = fetch_recipe_runs(cfg.experiment, parent_run_id, configure_mlflow(cfg.work_dir), metrics=[])
+    mine = [r for r in runs if r.recipe == cfg.recipe.name and r.run_name == run_name(cfg)]
+    if not mine:
+        raise UserError(
+            f"the RayJob finished but MLflow has no run {run_name(cfg)!r} under {parent_run_id}: "
+            "do the Ray pods log to the same tracking server (rayjob.yaml mlflowTrackingUri)?"
+        )
+    return max(mine, key=lambda r: r.start_time_ms).run_id
+
+
+def run_rl_step_as_rayjob(
+    cfg: RunConfig,
+    model_dir: str | Path,
+    output_dir: str | Path,
+    parent_run_id: str,
+    tags: Mapping[str, str],
+    template_path: str | Path,
+    timeout_s: float,
+    *,
+    api: Any = None,
+    submit: Callable[..., Any] | None = None,
+) -> str:
+    """Run ``cfg`` as a RayJob (module docstring); returns the recipe's MLflow run id.
+
+    ``api`` (a ``fp8rl.cluster.KubeApis``) defaults to the in-cluster service account; ``submit``
+    to ``fp8rl.cluster.submit_rayjob`` (both replaceable in tests).
+    """
+    from fp8rl.cluster import KubeApis, build_rayjob, load_template, submit_rayjob
+    from fp8rl.tracking import MlflowSink
+
+    template = load_template(template_path)
+    if not template.pvc_name:
+        raise UserError(f"{template_path}: pvcName is empty, so the Ray pods could not read the staged checkpoint")
+    kfp_run_id = tags.get("kfp.run_id", "")
+    stage_dir = stage(cfg, model_dir, kfp_run_id)
+    name = rayjob_name(cfg.recipe.name, cfg.seed, kfp_run_id)
+    entrypoint = train_entrypoint(stage_dir, parent_run_id, cfg.work_dir)
+    print(f"[rl-step] RayJob {name}: {shlex.join(entrypoint)}", flush=True)
+    labels = {"app.kubernetes.io/part-of": "fp8rl"}
+    if re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", kfp_run_id):
+        labels["fp8rl/kfp-run-id"] = kfp_run_id  # kubectl get rayjobs -l fp8rl/kfp-run-id=<id>
+    doc = build_rayjob(template, name, entrypoint, current_namespace(), labels)
+    (submit or submit_rayjob)(doc, api or KubeApis.from_environment(), timeout_s)
+    run_id = find_recipe_run(cfg, parent_run_id)
+    MlflowSink.attach(run_id, cfg.work_dir).set_tags(tags)
+    with atomic_directory(output_dir, overwrite=True) as tmp:
+        shutil.copytree(stage_dir / "trained", tmp, dirs_exist_ok=True)
+    return run_id

@@ -1,0 +1,120 @@
+"""What the component bodies share at run time: run configs, the MLflow run reference, tags, KFP metrics.
+
+Imported inside component bodies (``from components.runtime import ...``), so it is plain
+Python over ``fp8rl`` and must stay cheap to import (no torch at module level).
+
+The MLflow comparison run travels between steps as a KFP artifact (``mlflow_run``): a small
+JSON file ``{"run_id", "experiment", "work_dir", "tracking_uri"}``, repeated in the artifact's
+metadata so the KFP UI shows it. An artifact rather than a string parameter because kfp.local
+(2.17) replaces every upstream *parameter* that enters a ``dsl.ParallelFor`` with the loop
+item; artifacts enter intact, on both runners.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fp8rl.atomic import atomic_write_text
+from fp8rl.errors import UserError
+
+if TYPE_CHECKING:
+    from kfp.dsl import Artifact, Metrics
+
+    from fp8rl.config import RunConfig
+
+# MLflow tags linking a run to the KFP run and step that made it (search: tags."kfp.run_id" = '<id>').
+TAG_KFP_RUN_ID = "kfp.run_id"
+TAG_KFP_RUN_NAME = "kfp.run_name"
+TAG_KFP_PIPELINE = "kfp.pipeline"
+TAG_KFP_COMPONENT = "kfp.component"
+BACKENDS = ("local", "rayjob")
+
+
+@dataclass(frozen=True)
+class MlflowRunRef:
+    """Where a pipeline run's MLflow comparison run lives."""
+
+    run_id: str
+    experiment: str
+    work_dir: str
+    tracking_uri: str
+
+
+def write_run_ref(artifact: Artifact, ref: MlflowRunRef) -> None:
+    atomic_write_text(artifact.path, json.dumps(asdict(ref), indent=2) + "\n")
+    artifact.metadata.update(asdict(ref))
+
+
+def read_run_ref(artifact: Artifact) -> MlflowRunRef:
+    path = Path(artifact.path)
+    try:
+        data = json.loads(path.read_text())
+        return MlflowRunRef(**{k: str(data[k]) for k in ("run_id", "experiment", "work_dir", "tracking_uri")})
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{path}: not an MLflow run reference written by the start-tracking step ({e})") from None
+
+
+def kfp_tags(pipeline: str, kfp_run_id: str, component: str, kfp_run_name: str = "") -> dict[str, str]:
+    tags = {TAG_KFP_PIPELINE: pipeline, TAG_KFP_RUN_ID: kfp_run_id, TAG_KFP_COMPONENT: component}
+    if kfp_run_name:
+        tags[TAG_KFP_RUN_NAME] = kfp_run_name
+    return tags
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise UserError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+
+
+def run_config(recipe: str, steps: int, seed: int, overrides: Mapping[str, Any], ref: MlflowRunRef) -> RunConfig:
+    """The RunConfig of one recipe: ``overrides`` (RunConfig fields, e.g. ``{"grpo": {"group_size": 4}}``),
+    then the step's own values, which win. Errors name the field (``fp8rl.config.ConfigError``)."""
+    from fp8rl.config import load_recipe, parse_run_config
+
+    fixed = {"recipe": load_recipe(recipe), "steps": steps, "seed": seed}
+    fixed |= {"work_dir": ref.work_dir, "experiment": ref.experiment}
+    clash = sorted(set(overrides) & {"recipe", "steps", "seed", "work_dir", "experiment", "model"})
+    if clash:
+        raise UserError(f"run_config: {clash} are pipeline parameters of their own; remove them from run_config")
+    # KFP passes JSON numbers as floats (2 -> 2.0); pydantic accepts integral floats for int fields.
+    return parse_run_config({**overrides, **fixed}, source="run_config parameter")
+
+
+def log_kfp_metrics(artifact: Metrics, metrics: Mapping[str, float]) -> None:
+    """Scalars into a KFP Metrics artifact; non-finite values are left out (the IR's JSON has no NaN)."""
+    for key, value in sorted(metrics.items()):
+        if math.isfinite(value):
+            artifact.log_metric(key, float(value))
+
+
+def run_metrics(run_id: str, work_dir: str, prefix: str = "") -> dict[str, float]:
+    """The latest value of each metric of an MLflow run whose key starts with ``prefix``."""
+    from mlflow import MlflowClient
+
+    from fp8rl.tracking import configure_mlflow
+
+    client = MlflowClient(tracking_uri=configure_mlflow(work_dir))
+    return {k: v for k, v in client.get_run(run_id).data.metrics.items() if k.startswith(prefix)}
+
+
+def log_to_recipe_run(
+    ref: MlflowRunRef, run_id: str, recipe: str, metrics: Mapping[str, float], tags: Mapping[str, str], step: int = 0
+) -> str:
+    """Log ``metrics`` into the recipe run ``run_id``, or, when it is empty, into a new child run of the
+    comparison run (named ``<recipe>-<component>``); returns the run id."""
+    from fp8rl.tracking import MlflowSink, recipe_tags
+
+    if run_id:
+        sink = MlflowSink.attach(run_id, ref.work_dir)  # the run's owner closed it already: leave it as it is
+        sink.log_metrics(metrics, step=step)
+        return run_id
+    name = f"{recipe}-{tags.get(TAG_KFP_COMPONENT, 'step')}"
+    with MlflowSink(ref.experiment, name, ref.work_dir, ref.run_id, {**recipe_tags(recipe), **tags}) as sink:
+        sink.log_params(recipe_tags(recipe))
+        sink.log_metrics(metrics, step=step)
+        return sink.run_id

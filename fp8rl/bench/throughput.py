@@ -1,0 +1,126 @@
+"""RL-step throughput of one precision recipe: rollout and training tokens/s, weight-sync time and bytes.
+
+Method. The loop's own parts are built for the recipe (``fp8rl.loop.build_parts``: rollout
+engine, trainer, requantized weight sync) and ``fp8rl.loop.rl_step`` runs ``warmup_steps``
+untimed steps (allocator, kernel selection and caches settle) and then ``steps`` timed ones.
+Each step reports, from its own ``time.perf_counter`` stamps:
+
+- rollout tokens/s = response tokens sampled / generate seconds;
+- train tokens/s = response tokens / (training-logprob + optimizer-step seconds);
+- sync seconds and bytes = requantize + load of the trainer's weights into the engine;
+- step seconds = the whole step.
+
+The result is the median over the timed steps of each (robust to one slow step). Response
+tokens are counted from the response mask, so a recipe whose policy stops earlier gets fewer
+tokens for the same prompts; tokens/s stays comparable, seconds per step does not.
+Nothing is extrapolated: every number is measured on ``device`` in this process.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from fp8rl.config import RunConfig
+from fp8rl.loop import build_parts, rl_step, task_examples
+
+# metric key of fp8rl.loop.rl_step -> field of ThroughputResult
+STEP_METRICS: dict[str, str] = {
+    "throughput/rollout_tokens_per_s": "rollout_tokens_per_s",
+    "throughput/train_tokens_per_s": "train_tokens_per_s",
+    "time/sync_s": "sync_s",
+    "sync/bytes": "sync_bytes",
+    "time/step_s": "step_s",
+    "response_length": "response_tokens",
+}
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    """Medians over ``steps`` timed RL steps of ``recipe`` on ``device_name``."""
+
+    recipe: str
+    device: str
+    device_name: str
+    steps: int
+    warmup_steps: int
+    rollout_tokens_per_s: float
+    train_tokens_per_s: float
+    sync_s: float
+    sync_bytes: float
+    step_s: float
+    response_tokens: float  # mean response length (tokens) per sampled response
+
+    def metrics(self, prefix: str = "bench/") -> dict[str, float]:
+        """The numbers as MLflow/KFP metrics (``bench/rollout_tokens_per_s``, ...)."""
+        return {f"{prefix}{name}": float(getattr(self, name)) for name in STEP_METRICS.values()}
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; anything else is returned as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def device_name(device: str) -> str:
+    """A human-readable name of the device the numbers were measured on."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def benchmark_recipe(
+    cfg: RunConfig,
+    model_dir: str | Path,
+    device: str = "cpu",
+    steps: int = 3,
+    warmup_steps: int = 1,
+    log: Callable[[str], None] = print,
+) -> ThroughputResult:
+    """Time ``steps`` RL steps of ``cfg`` (after ``warmup_steps`` untimed ones) from the checkpoint ``model_dir``.
+
+    Uses ``cfg.grpo`` (prompts per step x group size), ``cfg.sampling`` and the recipe; the policy is
+    updated as in training, so the timed steps are real steps. The bit-exact sync check
+    (``cfg.verify_sync``) is turned off: it is a test of the sync, not part of its cost.
+    """
+    if steps < 1 or warmup_steps < 0:
+        raise ValueError(f"need steps >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
+    device = resolve_device(device)
+    cfg = cfg.model_copy(update={"verify_sync": False})
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    parts = build_parts(cfg, model_dir, device)
+    train_pool, _ = task_examples(cfg)
+    timed: list[dict[str, float]] = []
+    for step in range(1, warmup_steps + steps + 1):
+        metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        phase = "warm-up" if step <= warmup_steps else "timed"
+        log(
+            f"[{cfg.recipe.name}] bench step {step}/{warmup_steps + steps} ({phase}): "
+            f"rollout {metrics['throughput/rollout_tokens_per_s']:.0f} tok/s, "
+            f"train {metrics['throughput/train_tokens_per_s']:.0f} tok/s, sync {metrics['time/sync_s']:.3f}s"
+        )
+        if step > warmup_steps:
+            timed.append(metrics)
+    medians = {field: statistics.median(m[key] for m in timed) for key, field in STEP_METRICS.items()}
+    return ThroughputResult(
+        recipe=cfg.recipe.name,
+        device=device,
+        device_name=device_name(device),
+        steps=steps,
+        warmup_steps=warmup_steps,
+        **medians,
+    )

@@ -1,0 +1,79 @@
+"""Kubernetes settings of pipeline steps (kfp-kubernetes): GPUs, tolerations, volumes, ConfigMaps, Secrets.
+
+Applied per task in the pipeline definitions; they go into the IR's ``platforms.kubernetes``
+section, which Kubeflow Pipelines applies and kfp.local ignores, so the same pipelines run
+both ways. The names of the chart's objects are pipeline parameters (defaults for a Helm
+release named ``rl``), so one compiled IR serves any release:
+
+| parameter | default | used for |
+|---|---|---|
+| ``pvc_name`` | ``rl-fp8rl-data`` | mounted at ``/data`` in every step (models, staging for RayJobs, work dir) |
+| ``rayjob_defaults`` | ``rl-fp8rl-rayjob-defaults`` | key ``mlflowTrackingUri`` -> ``$MLFLOW_TRACKING_URI`` (optional); mounted at ``/etc/fp8rl`` in the RL step (``rayjob.yaml``) |
+| ``mlflow_secret`` | ``rl-fp8rl-mlflow-client`` | keys ``username``/``password`` -> ``$MLFLOW_TRACKING_USERNAME``/``PASSWORD`` (optional) |
+| ``hf_secret`` | ``hf-token`` | key ``token`` -> ``$HF_TOKEN`` in the prepare-model step (optional) |
+
+Secrets reach the steps only as environment variables from Kubernetes Secrets, never as parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kfp import kubernetes
+from kfp.dsl import PipelineTask
+
+DEFAULT_RELEASE = "rl"
+DEFAULT_PVC = f"{DEFAULT_RELEASE}-fp8rl-data"
+DEFAULT_RAYJOB_DEFAULTS = f"{DEFAULT_RELEASE}-fp8rl-rayjob-defaults"
+DEFAULT_MLFLOW_SECRET = f"{DEFAULT_RELEASE}-fp8rl-mlflow-client"
+DEFAULT_HF_SECRET = "hf-token"
+DATA_MOUNT = "/data"
+CLUSTER_WORK_DIR = f"{DATA_MOUNT}/fp8rl"
+RAYJOB_DEFAULTS_MOUNT = "/etc/fp8rl"
+GPU_RESOURCE = "nvidia.com/gpu"
+MLFLOW_URI_KEY = "mlflowTrackingUri"
+MLFLOW_SECRET_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
+HF_SECRET_ENV = {"token": "HF_TOKEN"}
+
+
+@dataclass(frozen=True)
+class ClusterRefs:
+    """The chart objects' names, as the pipeline's parameter channels (or plain strings)."""
+
+    pvc_name: Any
+    rayjob_defaults: Any
+    mlflow_secret: Any
+    hf_secret: Any
+
+
+def on_cluster(
+    task: PipelineTask,
+    refs: ClusterRefs,
+    *,
+    tracked: bool = False,
+    gpu: bool = False,
+    rayjob: bool = False,
+    hf_token: bool = False,
+) -> PipelineTask:
+    """Give ``task`` the data volume, plus: MLflow settings (``tracked``), one GPU and the GPU toleration
+    (``gpu``), the RayJob template (``rayjob``), the Hugging Face token (``hf_token``).
+
+    Tracked steps write to MLflow, so they are never served from KFP's cache (a cached step would
+    hand out another run's MLflow ids).
+    """
+    kubernetes.mount_pvc(task, pvc_name=refs.pvc_name, mount_path=DATA_MOUNT)
+    if tracked:
+        kubernetes.use_config_map_as_env(
+            task, refs.rayjob_defaults, {MLFLOW_URI_KEY: "MLFLOW_TRACKING_URI"}, optional=True
+        )
+        kubernetes.use_secret_as_env(task, refs.mlflow_secret, MLFLOW_SECRET_ENV, optional=True)
+        task.set_caching_options(enable_caching=False)
+    if rayjob:
+        kubernetes.use_config_map_as_volume(task, refs.rayjob_defaults, RAYJOB_DEFAULTS_MOUNT)
+    if hf_token:
+        kubernetes.use_secret_as_env(task, refs.hf_secret, HF_SECRET_ENV, optional=True)
+    if gpu:
+        task.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
+        kubernetes.add_toleration(task, key=GPU_RESOURCE, operator="Exists", effect="NoSchedule")
+    return task

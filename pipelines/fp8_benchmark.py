@@ -1,0 +1,63 @@
+"""``fp8-benchmark``: prepare -> FP8 conversion -> per recipe (throughput benchmark) -> report."""
+
+from typing import Any
+
+from kfp import dsl
+from kfp.dsl import Markdown
+
+from components.benchmark import benchmark
+from fp8rl.config import BUILTIN_RECIPES
+from pipelines import stages
+from pipelines.cluster import (
+    CLUSTER_WORK_DIR,
+    DEFAULT_HF_SECRET,
+    DEFAULT_MLFLOW_SECRET,
+    DEFAULT_PVC,
+    DEFAULT_RAYJOB_DEFAULTS,
+    ClusterRefs,
+    on_cluster,
+)
+
+NAME = "fp8-benchmark"
+
+
+def build(parallelism: int = 0) -> Any:
+    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once, as on a cluster; local runs
+    use 1, so that steps sharing one machine's cores do not skew each other's throughput)."""
+
+    @dsl.pipeline(name=NAME, description="RL-step throughput per FP8 precision recipe: rollout, train, weight sync.")
+    def fp8_benchmark(
+        recipes: list = list(BUILTIN_RECIPES),  # noqa: B006
+        model_source: str = "tiny",
+        seed: int = 0,
+        bench_steps: int = 5,
+        warmup_steps: int = 2,
+        run_config: dict = {},  # noqa: B006
+        convert_recipe: str = "fp8-e2e",
+        experiment: str = "fp8rl-bench",
+        work_dir: str = CLUSTER_WORK_DIR,
+        device: str = "auto",
+        pvc_name: str = DEFAULT_PVC,
+        rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
+        mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
+        hf_secret: str = DEFAULT_HF_SECRET,
+    ) -> Markdown:
+        """Each recipe is benchmarked from the same checkpoint, as one child MLflow run of one comparison run."""
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret)
+        tracking = stages.start(NAME, experiment, work_dir, refs)
+        model = stages.prepare(model_source, seed, refs)
+        conversion = stages.convert(model, convert_recipe, refs)
+        with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
+            bench = benchmark(
+                model=model.outputs["model"], mlflow_run=tracking.outputs["mlflow_run"], recipe=recipe, seed=seed,
+                run_config=run_config, pipeline_name=NAME, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, steps=bench_steps,
+                warmup_steps=warmup_steps, device=device,
+            ).set_display_name("benchmark")  # fmt: skip
+            on_cluster(bench.after(conversion), refs, tracked=True, gpu=True)
+        report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
+        return report.outputs["report"]
+
+    return fp8_benchmark
+
+
+fp8_benchmark = build()

@@ -1,0 +1,65 @@
+"""``recipe-comparison``: prepare -> SFT warm-up -> FP8 conversion -> per recipe (RL step -> evaluate -> benchmark) -> compare."""
+
+from typing import Any
+
+from kfp import dsl
+from kfp.dsl import Markdown
+
+from fp8rl.config import BUILTIN_RECIPES
+from pipelines import stages
+from pipelines.cluster import (
+    CLUSTER_WORK_DIR,
+    DEFAULT_HF_SECRET,
+    DEFAULT_MLFLOW_SECRET,
+    DEFAULT_PVC,
+    DEFAULT_RAYJOB_DEFAULTS,
+    ClusterRefs,
+)
+
+NAME = "recipe-comparison"
+
+
+def build(parallelism: int = 0) -> Any:
+    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once, as on a cluster; local runs
+    use 1, so that steps sharing one machine's cores do not skew each other's throughput)."""
+
+    @dsl.pipeline(name=NAME, description="Compare FP8 precision recipes end to end: accuracy, mismatch, throughput.")
+    def recipe_comparison(
+        recipes: list = list(BUILTIN_RECIPES),  # noqa: B006
+        model_source: str = "tiny",
+        seed: int = 0,
+        sft_steps: int = 600,
+        rl_steps: int = 60,
+        bench_steps: int = 3,
+        run_config: dict = {},  # noqa: B006
+        convert_recipe: str = "fp8-e2e",
+        experiment: str = "fp8rl",
+        work_dir: str = CLUSTER_WORK_DIR,
+        backend: str = "rayjob",
+        device: str = "auto",
+        pvc_name: str = DEFAULT_PVC,
+        rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
+        mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
+        hf_secret: str = DEFAULT_HF_SECRET,
+    ) -> Markdown:
+        """Every recipe starts from the same warmed-up checkpoint and is one child MLflow run of one comparison run.
+
+        ``run_config``: further RunConfig fields for every recipe (e.g. ``{"grpo": {"prompts_per_step": 8}}``).
+        ``backend``: ``rayjob`` (a KubeRay RayJob per RL step) or ``local`` (in the step's process).
+        """
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret)
+        tracking = stages.start(NAME, experiment, work_dir, refs)
+        warm = stages.warm_up(stages.prepare(model_source, seed, refs), sft_steps, refs)
+        conversion = stages.convert(warm, convert_recipe, refs)
+        p = {"seed": seed, "run_config": run_config, "rl_steps": rl_steps, "bench_steps": bench_steps}
+        p |= {"backend": backend, "device": device}
+        with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
+            rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, p, refs)
+            rl.after(conversion)
+        report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
+        return report.outputs["report"]
+
+    return recipe_comparison
+
+
+recipe_comparison = build()

@@ -1,0 +1,85 @@
+"""Building blocks the pipelines share: each adds one or more component tasks with their cluster settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kfp import dsl
+from kfp.dsl import PipelineTask
+
+from components.benchmark import benchmark
+from components.compare import compare_recipes
+from components.convert import convert_to_fp8
+from components.evaluate import evaluate
+from components.prepare_model import prepare_model
+from components.rl_step import rl_step
+from components.sft_warmup import sft_warmup
+from components.tracking import start_tracking
+from pipelines.cluster import ClusterRefs, on_cluster
+
+
+def start(pipeline_name: str, experiment: Any, work_dir: Any, refs: ClusterRefs) -> PipelineTask:
+    task = start_tracking(
+        experiment=experiment,
+        work_dir=work_dir,
+        pipeline_name=pipeline_name,
+        kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        kfp_run_name=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+    ).set_display_name("start MLflow run")
+    return on_cluster(task, refs, tracked=True)
+
+
+def prepare(model_source: Any, seed: Any, refs: ClusterRefs) -> PipelineTask:
+    task = prepare_model(source=model_source, seed=seed).set_display_name("prepare model")
+    return on_cluster(task, refs, hf_token=True)
+
+
+def warm_up(base: PipelineTask, sft_steps: Any, refs: ClusterRefs) -> PipelineTask:
+    task = sft_warmup(base_model=base.outputs["model"], steps=sft_steps).set_display_name("SFT warm-up")
+    return on_cluster(task, refs)
+
+
+def convert(model: PipelineTask, recipe: Any, refs: ClusterRefs) -> PipelineTask:
+    task = convert_to_fp8(model=model.outputs["model"], recipe=recipe).set_display_name("convert to FP8")
+    return on_cluster(task, refs)
+
+
+def train_evaluate_benchmark(
+    pipeline_name: str,
+    model: PipelineTask,
+    tracking: PipelineTask,
+    recipe: Any,
+    p: dict[str, Any],
+    refs: ClusterRefs,
+) -> tuple[PipelineTask, PipelineTask, PipelineTask]:
+    """RL step -> evaluation -> benchmark of one recipe, all three in that recipe's MLflow run."""
+    common = {"recipe": recipe, "seed": p["seed"], "run_config": p["run_config"]}
+    run = tracking.outputs["mlflow_run"]
+    rl = rl_step(
+        model=model.outputs["model"], mlflow_run=run, steps=p["rl_steps"], pipeline_name=pipeline_name,
+        kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=p["backend"], **common,
+    ).set_display_name("RL step")  # fmt: skip
+    on_cluster(rl, refs, tracked=True, rayjob=True)
+    ev = evaluate(
+        model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], device=p["device"], **common
+    )
+    on_cluster(ev.set_display_name("evaluate"), refs, tracked=True, gpu=True)
+    bench = benchmark(
+        model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], steps=p["bench_steps"],
+        pipeline_name=pipeline_name, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, device=p["device"], **common,
+    ).set_display_name("benchmark")  # fmt: skip
+    on_cluster(bench.after(ev), refs, tracked=True, gpu=True)  # after evaluation: timings without a neighbour
+    return rl, ev, bench
+
+
+def compare(
+    pipeline_name: str, tracking: PipelineTask, run_ids: Any, conversion: PipelineTask, refs: ClusterRefs
+) -> PipelineTask:
+    task = compare_recipes(
+        mlflow_run=tracking.outputs["mlflow_run"],
+        run_ids=run_ids,
+        conversion_report=conversion.outputs["report"],
+        pipeline_name=pipeline_name,
+        kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    ).set_display_name("compare recipes")
+    return on_cluster(task, refs, tracked=True)

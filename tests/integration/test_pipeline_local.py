@@ -1,0 +1,63 @@
+"""``recipe-comparison`` end to end with kfp.local, as ``python -m pipelines.submit recipe-comparison --local`` runs it.
+
+Every step is the real component, run by kfp.local's SubprocessRunner in this environment, with a
+small budget (SFT 20 steps, 2 RL steps per recipe on 4 prompts x 4 samples, 1 benchmark step).
+Checked afterwards against the MLflow store the steps wrote: one comparison run with one child
+run per recipe, tagged with the KFP run, each with RL, evaluation and benchmark metrics, and the
+report logged on the comparison run, which ends FINISHED.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from pipelines.submit import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")]
+
+BUDGET = [
+    "sft_steps=20",
+    "rl_steps=2",
+    "bench_steps=1",
+    "run_config={grpo: {prompts_per_step: 4, group_size: 4}, eval_examples: 16, eval_samples: 1, eval_every: 2}",
+]
+
+
+def test_recipe_comparison_runs_locally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
+    work = tmp_path / "work"
+    params = [a for p in BUDGET for a in ("--param", p)]
+    assert main(["recipe-comparison", "--local", "--work-dir", str(work), *params]) == 0
+    out = capsys.readouterr().out
+
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    assert out.rstrip().endswith(f"open the runs: mlflow ui --backend-store-uri {uri}")
+    assert "Got executor_input" not in out  # kfp.local's JSON dumps go to the log file only
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in table[1:]] == ["| bf16", "| fp8-e2e", "| fp8-rollout"]
+    assert all(" n/a " not in row for row in table[1:])  # RL, evaluation and benchmark all reached every row
+
+    client = MlflowClient(uri)
+    (exp,) = [e for e in client.search_experiments() if e.name == "fp8rl"]
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`fp8rl.comparison` = 'true'")
+    assert parent.info.status == "FINISHED"
+    kfp_run_id = parent.data.tags["kfp.run_id"]
+    assert parent.data.tags["kfp.pipeline"] == "recipe-comparison" and kfp_run_id
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"comparison.md", "comparison.html", "plots"}
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["recipe"] for c in children) == ["bf16", "fp8-e2e", "fp8-rollout"]
+    for child in children:
+        assert child.data.tags["kfp.run_id"] == kfp_run_id and child.data.tags["kfp.component"] == "rl-step"
+        assert {"summary/final_accuracy", "evaluate/accuracy", "bench/rollout_tokens_per_s"} <= set(child.data.metrics)
+        # back from MLflow to KFP: the run id finds the same runs
+    by_tag = client.search_runs([exp.experiment_id], f"tags.`kfp.run_id` = '{kfp_run_id}'")
+    assert len(by_tag) == 4
+
+    logs = list((work / "kfp-local").glob("recipe-comparison-*.log"))
+    assert len(logs) == 1 and "Got executor_input" in logs[0].read_text()

@@ -1,0 +1,158 @@
+"""fp8rl.bench: the throughput benchmark (real RL steps on the tiny model), held-out evaluation, the report."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from fp8rl.bench import throughput
+from fp8rl.bench.evaluate import evaluate_checkpoint
+from fp8rl.bench.report import COLUMNS, PLOTS, build_comparison_report, markdown_table
+from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe, resolve_device
+from fp8rl.config import RunConfig, load_recipe
+from fp8rl.errors import UserError
+from fp8rl.loop import build_parts
+from fp8rl.tracking import MlflowSink, configure_mlflow, recipe_tags, start_parent_run
+
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+
+SMALL = {"grpo": {"prompts_per_step": 2, "group_size": 2}, "eval_examples": 8, "eval_samples": 2}
+
+
+def small_cfg(recipe: str, work_dir: Path | str = "work") -> RunConfig:
+    return RunConfig.model_validate({**SMALL, "recipe": load_recipe(recipe), "steps": 3, "work_dir": str(work_dir)})
+
+
+@pytest.fixture(autouse=True)
+def local_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-e2e"])
+def test_benchmark_measures_real_steps(tiny_models: dict[str, Path], recipe: str) -> None:
+    lines: list[str] = []
+    result = benchmark_recipe(small_cfg(recipe), tiny_models["tiny"], "cpu", steps=2, warmup_steps=1, log=lines.append)
+    assert (result.recipe, result.device, result.steps, result.warmup_steps) == (recipe, "cpu", 2, 1)
+    assert result.device_name.startswith("CPU")
+    assert result.rollout_tokens_per_s > 0 and result.train_tokens_per_s > 0 and result.step_s > 0
+    assert 0 < result.response_tokens <= SMALL["grpo"]["group_size"] * 8
+    parts = build_parts(small_cfg(recipe), tiny_models["tiny"], "cpu")
+    bf16_bytes = sum(p.numel() * 2 for p in parts.trainer.model.parameters())
+    # FP8 recipes sync 1-byte weights (+ scales) for the decoder linears; bf16 syncs what it serves
+    if recipe == "bf16":
+        assert result.sync_bytes > 0.5 * bf16_bytes
+    else:
+        assert result.sync_bytes < 0.75 * bf16_bytes
+    assert len(lines) == 3 and "warm-up" in lines[0] and "timed" in lines[2]
+    assert set(result.metrics()) == {f"bench/{f}" for f in throughput.STEP_METRICS.values()}
+
+
+def test_benchmark_reports_medians_of_timed_steps_only(
+    monkeypatch: pytest.MonkeyPatch, tiny_models: dict[str, Path]
+) -> None:
+    """rl_step replaced by a script of numbers: the warm-up is dropped and each field is the median of the rest."""
+    script = iter([1000.0, 10.0, 30.0, 20.0, 99.0])  # warm-up 1000, then 10, 30, 20, 99
+    seen: list[int] = []
+
+    def fake_step(cfg: RunConfig, parts: object, examples: list[object], step: int) -> dict[str, float]:
+        assert cfg.verify_sync is False  # the bit-exact check is not part of the sync's cost
+        seen.append(step)
+        v = next(script)
+        return {key: v + i for i, key in enumerate(throughput.STEP_METRICS)}
+
+    monkeypatch.setattr(throughput, "rl_step", fake_step)
+    result = benchmark_recipe(small_cfg("bf16"), tiny_models["tiny"], steps=4, warmup_steps=1, log=lambda _: None)
+    assert seen == [1, 2, 3, 4, 5]
+    for i, field in enumerate(throughput.STEP_METRICS.values()):
+        assert getattr(result, field) == statistics.median([10 + i, 30 + i, 20 + i, 99 + i])
+
+
+def test_benchmark_rejects_no_steps(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="steps >= 1"):
+        benchmark_recipe(small_cfg("bf16"), tiny_models["tiny"], steps=0)
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") in ("cpu", "cuda")
+
+
+def test_evaluate_checkpoint_reports_accuracy_and_lengths(tiny_models: dict[str, Path]) -> None:
+    cfg = small_cfg("fp8-e2e")
+    out = evaluate_checkpoint(cfg, tiny_models["tiny"], "cpu")
+    assert set(out) == {
+        "evaluate/accuracy",
+        "evaluate/sampled_accuracy",
+        "evaluate/response_tokens",
+        "evaluate/truncated",
+    }
+    assert 0.0 <= out["evaluate/accuracy"] <= 1.0 and 0.0 <= out["evaluate/truncated"] <= 1.0
+    assert 0 < out["evaluate/response_tokens"] <= cfg.sampling.max_tokens
+    no_sampling = evaluate_checkpoint(cfg.model_copy(update={"eval_samples": 0}), tiny_models["tiny"], "cpu")
+    assert "evaluate/sampled_accuracy" not in no_sampling
+    assert no_sampling["evaluate/accuracy"] == out["evaluate/accuracy"]  # greedy is deterministic
+
+
+# ---------------------------------------------------------------- report, against a real MLflow store
+
+
+def _log_runs(work: Path, experiment: str) -> tuple[str, dict[str, str]]:
+    parent = start_parent_run(experiment, "cmp", work)
+    ids = {}
+    for recipe, acc in (("bf16", 0.5), ("fp8-e2e", 0.25)):
+        with MlflowSink(experiment, f"{recipe}-seed0", work, parent_run_id=parent, tags=recipe_tags(recipe)) as s:
+            for step in range(3):
+                s.log_metrics({"reward": 0.1 * step, "eval/accuracy": acc, "mismatch/token_mult_prob_error": 1.0}, step)
+            s.log_metrics({"summary/initial_accuracy": 0.1, "summary/final_accuracy": acc}, step=3)
+            s.log_metrics({"bench/sync_bytes": 2 * 2**20, "bench/rollout_tokens_per_s": 1234.4}, step=0)
+            ids[recipe] = s.run_id
+    return parent, ids
+
+
+def test_report_reads_the_runs_back(tmp_path: Path) -> None:
+    parent, ids = _log_runs(tmp_path, "report")
+    uri = configure_mlflow(tmp_path)
+    report = build_comparison_report("report", parent, uri, list(ids.values()), appendix_markdown="# Appendix\n")
+    rows = [line for line in report.table.splitlines()[2:]]
+    assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| fp8-e2e"]
+    bf16 = dict(zip([h for h, _, _ in COLUMNS], rows[0].split(" | ")[1:], strict=False))
+    assert bf16["accuracy start"] == "0.100" and bf16["accuracy end"] == "0.500"
+    assert bf16["sync MiB"] == "2.00" and bf16["rollout tok/s"] == "1234"
+    assert bf16["evaluated accuracy"] == "n/a"  # not logged: said so, not zero
+    assert set(report.plots) == set(PLOTS.values()) and all(p.startswith(b"\x89PNG") for p in report.plots.values())
+    assert report.html.count("data:image/png;base64,") == len(PLOTS) and "<table>" in report.html
+    assert report.markdown.startswith("# Recipe comparison") and "# Appendix" in report.markdown
+    assert parent in report.markdown and report.table in report.markdown
+    out = report.write(tmp_path / "out")
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == sorted(
+        ["comparison.md", "comparison.html", *PLOTS.values()]
+    )
+
+
+def test_report_only_the_given_runs_and_all_of_them(tmp_path: Path) -> None:
+    parent, ids = _log_runs(tmp_path, "subset")
+    uri = configure_mlflow(tmp_path)
+    one = build_comparison_report("subset", parent, uri, [ids["fp8-e2e"]])
+    assert [r.recipe for r in one.runs] == ["fp8-e2e"]
+    with pytest.raises(UserError, match="not recipe runs"):
+        build_comparison_report("subset", parent, uri, [ids["bf16"], "no-such-run"])
+    empty_parent = start_parent_run("subset", "empty", tmp_path)
+    with pytest.raises(UserError, match="no recipe runs"):
+        build_comparison_report("subset", empty_parent, uri)
+    assert MlflowClient(uri).get_run(parent).info.status == "RUNNING"  # reading never ends the run
+
+
+def test_markdown_table_escapes_and_marks_nan() -> None:
+    from fp8rl.tracking import RunSummary
+
+    run = RunSummary("id", "a|b", "my|recipe", "FAILED", 0, {"summary/final_accuracy": [(1, float("nan"))]})
+    table = markdown_table([run])
+    assert r"my\|recipe" in table and "| nan |" in table and "FAILED" in table
+
+
+def test_throughput_result_round_trips() -> None:
+    r = ThroughputResult("bf16", "cpu", "CPU", 3, 1, 10.0, 5.0, 0.1, 100.0, 1.0, 4.0)
+    assert r.to_dict()["rollout_tokens_per_s"] == 10.0 and r.metrics()["bench/sync_bytes"] == 100.0

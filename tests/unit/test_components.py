@@ -1,0 +1,322 @@
+"""The KFP components through their Python functions (``.python_func``), on the tiny model, with a real MLflow store.
+
+The artifacts are kfp's own classes pointing at temporary paths, as the KFP executor builds them.
+The RayJob backend runs against a stand-in for ``submit_rayjob`` that executes the RayJob's
+entrypoint here (the real ``fp8rl train`` CLI), so the contract between the step and the job
+(flags, staged files, the MLflow run it leaves, the trained checkpoint) is exercised for real.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kfp.dsl import HTML, Artifact, Markdown, Metrics, Model
+from mlflow import MlflowClient
+
+from components import rayjob_backend
+from components.benchmark import benchmark
+from components.compare import compare_recipes
+from components.convert import convert_to_fp8
+from components.evaluate import evaluate
+from components.prepare_model import prepare_model
+from components.rl_step import rl_step
+from components.runtime import (
+    TAG_KFP_COMPONENT,
+    TAG_KFP_PIPELINE,
+    TAG_KFP_RUN_ID,
+    MlflowRunRef,
+    read_run_ref,
+    run_config,
+)
+from components.sft_warmup import sft_warmup
+from components.tracking import start_tracking
+from fp8rl.config import ConfigError, load_recipe
+from fp8rl.errors import UserError
+from fp8rl.models.loading import UnsupportedModelError
+
+pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
+
+RUN_CONFIG = {"grpo": {"prompts_per_step": 2, "group_size": 2}, "eval_examples": 8, "eval_samples": 1, "eval_every": 1}
+KFP_RUN = "0f1e2d3c-kfp-run"
+
+
+def art(cls: type, tmp: Path, name: str) -> Any:
+    return cls(name=name, uri=str(tmp / name), metadata={})
+
+
+@pytest.fixture(autouse=True)
+def local_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+# ---------------------------------------------------------------- prepare, warm-up, convert
+
+
+def test_prepare_tiny_preset(tmp_path: Path) -> None:
+    model = art(Model, tmp_path, "model")
+    prepare_model.python_func(source="tiny", seed=3, model=model)
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["model_type"] == "llama"
+    assert model.metadata == {"source": "tiny:tiny", "preset": "tiny", "seed": 3}
+
+
+@pytest.mark.parametrize("as_uri", [False, True])
+def test_prepare_imports_a_checkpoint_directory(tmp_path: Path, tiny_models: dict[str, Path], as_uri: bool) -> None:
+    source = tiny_models["small-sharded"].as_uri() if as_uri else str(tiny_models["small-sharded"])
+    model = art(Model, tmp_path, "model")
+    prepare_model.python_func(source=source, seed=0, model=model)
+    src_files = sorted(p.name for p in tiny_models["small-sharded"].iterdir())
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == src_files
+    assert model.metadata == {"source": source}
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "match"),
+    [
+        ("tiny-typo", UserError, "not a tiny preset"),
+        ("s3://bucket/model", UserError, "unsupported scheme 's3'"),
+        ("hf://just-a-name", UserError, "expected hf://<org>/<name>"),
+    ],
+)
+def test_prepare_rejects_bad_sources(tmp_path: Path, source: str, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        prepare_model.python_func(source=source, seed=0, model=art(Model, tmp_path, "model"))
+    assert not (tmp_path / "model").exists()  # nothing half-written
+
+
+def test_prepare_rejects_a_directory_that_is_no_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README").write_text("hi")
+    with pytest.raises(UnsupportedModelError, match=r"config\.json is missing"):
+        prepare_model.python_func(source=str(tmp_path / "notes"), seed=0, model=art(Model, tmp_path, "model"))
+    assert not (tmp_path / "model").exists()
+
+
+def test_sft_warmup_trains_the_tiny_model_and_passes_imports_through(
+    tmp_path: Path, tiny_models: dict[str, Path]
+) -> None:
+    base = art(Model, tmp_path, "base")
+    prepare_model.python_func(source="tiny", seed=0, model=base)
+    warm, metrics = art(Model, tmp_path, "warm"), art(Metrics, tmp_path, "metrics")
+    sft_warmup.python_func(base_model=base, steps=2, model=warm, metrics=metrics)
+    assert (tmp_path / "warm" / "model.safetensors").is_file()
+    assert warm.metadata["sft_steps"] == 2 and "sft/heldout_accuracy" in metrics.metadata
+    assert (tmp_path / "warm" / "model.safetensors").read_bytes() != (
+        tmp_path / "base" / "model.safetensors"
+    ).read_bytes()
+
+    imported = art(Model, tmp_path, "imported")
+    prepare_model.python_func(source=str(tiny_models["small"]), seed=0, model=imported)
+    with pytest.raises(UserError, match="set sft_steps=0"):
+        sft_warmup.python_func(base_model=imported, steps=5, model=art(Model, tmp_path, "x"), metrics=metrics)
+    through = art(Model, tmp_path, "through")
+    sft_warmup.python_func(base_model=imported, steps=0, model=through, metrics=art(Metrics, tmp_path, "m0"))
+    assert (tmp_path / "through" / "model.safetensors").read_bytes() == (
+        tiny_models["small"] / "model.safetensors"
+    ).read_bytes()
+
+
+def test_convert_follows_the_recipe_and_reports(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    model = art(Model, tmp_path, "model")
+    shutil.copytree(tiny_models["tiny"], tmp_path / "model")
+    fp8, report = art(Model, tmp_path, "fp8"), art(Markdown, tmp_path, "report.md")
+    convert_to_fp8.python_func(model=model, recipe="fp8-e2e", fp8_model=fp8, report=report)
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == list(load_recipe("fp8-e2e").quant.weight_block)
+    text = (tmp_path / "report.md").read_text()
+    assert "granularity=block" in text and "relative error" in text
+    assert fp8.metadata["recipe"] == "fp8-e2e"
+    with pytest.raises(ConfigError, match="not a built-in recipe"):
+        convert_to_fp8.python_func(model=model, recipe="fp9", fp8_model=art(Model, tmp_path, "x"), report=report)
+
+
+# ---------------------------------------------------------------- tracked steps, one MLflow store
+
+
+@pytest.fixture
+def tracking(tmp_path: Path) -> Artifact:
+    run = art(Artifact, tmp_path, "mlflow_run")
+    start_tracking.python_func(
+        experiment="components", work_dir=str(tmp_path / "work"), pipeline_name="test-pipeline",
+        kfp_run_id=KFP_RUN, kfp_run_name="run-name", mlflow_run=run,
+    )  # fmt: skip
+    return run
+
+
+def test_start_tracking_writes_the_reference(tracking: Artifact, tmp_path: Path) -> None:
+    ref = read_run_ref(tracking)
+    assert ref.experiment == "components" and ref.work_dir == str(tmp_path / "work")
+    assert ref.tracking_uri == f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}"
+    assert tracking.metadata["run_id"] == ref.run_id
+    run = MlflowClient(ref.tracking_uri).get_run(ref.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and run.data.tags[TAG_KFP_PIPELINE] == "test-pipeline"
+    assert run.data.tags["kfp.run_name"] == "run-name" and run.data.tags[TAG_KFP_COMPONENT] == "start-tracking"
+
+
+def test_read_run_ref_names_a_bad_file(tmp_path: Path) -> None:
+    bad = art(Artifact, tmp_path, "bad")
+    (tmp_path / "bad").write_text("{}")
+    with pytest.raises(UserError, match="not an MLflow run reference"):
+        read_run_ref(bad)
+
+
+def test_run_config_overrides_and_refuses_clashes() -> None:
+    ref = MlflowRunRef("id", "exp", "/w", "sqlite:///w")
+    cfg = run_config("fp8-e2e", 3, 7, {"grpo": {"group_size": 4.0}}, ref)  # KFP hands JSON ints over as floats
+    assert (cfg.steps, cfg.seed, cfg.grpo.group_size, cfg.work_dir, cfg.experiment) == (3, 7, 4, "/w", "exp")
+    with pytest.raises(UserError, match=r"\['steps'\] are pipeline parameters"):
+        run_config("bf16", 3, 0, {"steps": 5}, ref)
+    with pytest.raises(ConfigError, match="grpo.group_size"):
+        run_config("bf16", 3, 0, {"grpo": {"group_size": 1}}, ref)
+
+
+def test_rl_evaluate_benchmark_compare(tracking: Artifact, tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    ref = read_run_ref(tracking)
+    model = art(Model, tmp_path, "model")
+    shutil.copytree(tiny_models["tiny"], tmp_path / "model")
+    common: dict[str, Any] = {"seed": 0, "run_config": RUN_CONFIG}
+    run_ids = []
+    for recipe in ("bf16", "fp8-e2e"):
+        trained, metrics = art(Model, tmp_path, f"trained-{recipe}"), art(Metrics, tmp_path, f"rl-{recipe}")
+        run_id = rl_step.python_func(
+            model=model, mlflow_run=tracking, recipe=recipe, steps=1, pipeline_name="p", kfp_run_id=KFP_RUN,
+            trained=trained, metrics=metrics, backend="local", **common,
+        )  # fmt: skip
+        assert (tmp_path / f"trained-{recipe}" / "model.safetensors").is_file()
+        assert {"summary/final_accuracy", "summary/mean_token_mult_prob_error"} <= set(metrics.metadata)
+        assert trained.metadata["mlflow_run_id"] == run_id
+        ev = art(Metrics, tmp_path, f"ev-{recipe}")
+        evaluate.python_func(
+            model=trained, mlflow_run=tracking, run_id=run_id, recipe=recipe, metrics=ev, device="cpu", **common
+        )
+        assert 0 <= ev.metadata["evaluate/accuracy"] <= 1
+        bm = art(Metrics, tmp_path, f"bench-{recipe}")
+        same = benchmark.python_func(
+            model=trained, mlflow_run=tracking, recipe=recipe, pipeline_name="p", kfp_run_id=KFP_RUN, metrics=bm,
+            run_id=run_id, steps=1, warmup_steps=0, device="cpu", **common,
+        )  # fmt: skip
+        assert same == run_id and bm.metadata["bench/rollout_tokens_per_s"] > 0 and "device_name" in bm.metadata
+        run_ids.append(run_id)
+
+    client = MlflowClient(ref.tracking_uri)
+    for run_id in run_ids:
+        run = client.get_run(run_id)
+        assert run.data.tags["mlflow.parentRunId"] == ref.run_id
+        assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and run.data.tags[TAG_KFP_COMPONENT] == "rl-step"
+        assert {"evaluate/accuracy", "bench/train_tokens_per_s", "summary/final_accuracy"} <= set(run.data.metrics)
+
+    conversion = art(Markdown, tmp_path, "conversion.md")
+    (tmp_path / "conversion.md").write_text("# FP8 conversion report\n")
+    report, page = art(Markdown, tmp_path, "report.md"), art(HTML, tmp_path, "report.html")
+    compare_recipes.python_func(
+        mlflow_run=tracking, run_ids=run_ids, conversion_report=conversion, pipeline_name="p", kfp_run_id=KFP_RUN,
+        report=report, report_html=page,
+    )  # fmt: skip
+    text = (tmp_path / "report.md").read_text()
+    assert "| bf16 |" in text and "| fp8-e2e |" in text and "# FP8 conversion report" in text
+    assert "data:image/png;base64," in (tmp_path / "report.html").read_text()
+    assert report.metadata["table"] in text and report.metadata["mlflow_run_id"] == ref.run_id
+    parent = client.get_run(ref.run_id)
+    assert parent.info.status == "FINISHED"  # the comparison ends the parent run
+    artifacts = {a.path for a in client.list_artifacts(ref.run_id)}
+    assert {"comparison.md", "comparison.html", "plots"} <= artifacts
+
+
+def test_benchmark_without_a_run_makes_a_child_run(
+    tracking: Artifact, tmp_path: Path, tiny_models: dict[str, Path]
+) -> None:
+    ref = read_run_ref(tracking)
+    model = art(Model, tmp_path, "model")
+    shutil.copytree(tiny_models["tiny"], tmp_path / "model")
+    run_id = benchmark.python_func(
+        model=model, mlflow_run=tracking, recipe="fp8-rollout", seed=0, run_config=RUN_CONFIG, pipeline_name="bench",
+        kfp_run_id=KFP_RUN, metrics=art(Metrics, tmp_path, "m"), steps=1, warmup_steps=0, device="cpu",
+    )  # fmt: skip
+    run = MlflowClient(ref.tracking_uri).get_run(run_id)
+    assert run.info.run_name == "fp8-rollout-benchmark" and run.info.status == "FINISHED"
+    assert run.data.tags["recipe"] == "fp8-rollout" and run.data.tags[TAG_KFP_COMPONENT] == "benchmark"
+    assert run.data.tags["mlflow.parentRunId"] == ref.run_id and "bench/sync_s" in run.data.metrics
+
+
+def test_rl_step_refuses_an_unknown_backend(tracking: Artifact, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"backend: expected one of \['local', 'rayjob'\], got 'slurm'"):
+        rl_step.python_func(
+            model=art(Model, tmp_path, "m"), mlflow_run=tracking, recipe="bf16", steps=1, seed=0, run_config={},
+            pipeline_name="p", kfp_run_id="r", trained=art(Model, tmp_path, "t"), metrics=art(Metrics, tmp_path, "x"),
+            backend="slurm",
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- RayJob backend
+
+
+TEMPLATE = {
+    "image": "fp8rl-runtime:0.1.0",
+    "head": {"resources": {"requests": {"cpu": "1", "memory": "2Gi"}}},
+    "workers": {"replicas": 1, "gpusPerWorker": 1, "resources": {"requests": {"cpu": "4", "memory": "16Gi"}}},
+    "pvcName": "rl-fp8rl-data",
+}
+
+
+def run_entrypoint_here(doc: dict[str, Any], api: object, timeout_s: float) -> None:
+    """Stand-in for submit_rayjob: run the RayJob's entrypoint (``fp8rl train ...``) in a subprocess here."""
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    assert argv[:2] == ["fp8rl", "train"]
+    subprocess.run([sys.executable, "-m", "fp8rl", *argv[1:]], check=True, capture_output=True, timeout=timeout_s)
+
+
+def test_rayjob_backend_runs_the_cli_contract(
+    tracking: Artifact, tmp_path: Path, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = read_run_ref(tracking)
+    template = tmp_path / "rayjob.yaml"
+    template.write_text(yaml.safe_dump(TEMPLATE))
+    monkeypatch.setattr(rayjob_backend, "current_namespace", lambda: "team-ns")
+    submitted: list[dict[str, Any]] = []
+
+    def submit(doc: dict[str, Any], api: object, timeout_s: float) -> None:
+        submitted.append(doc)
+        run_entrypoint_here(doc, api, timeout_s)
+
+    cfg = run_config("fp8-e2e", 1, 0, RUN_CONFIG, ref)
+    tags = {TAG_KFP_RUN_ID: KFP_RUN, TAG_KFP_COMPONENT: "rl-step"}
+    out = tmp_path / "trained"
+    run_id = rayjob_backend.run_rl_step_as_rayjob(
+        cfg, tiny_models["tiny"], out, ref.run_id, tags, template, 600, api=object(), submit=submit
+    )
+    (doc,) = submitted
+    assert doc["kind"] == "RayJob" and doc["metadata"]["namespace"] == "team-ns"
+    assert doc["metadata"]["name"] == rayjob_backend.rayjob_name("fp8-e2e", 0, KFP_RUN)
+    assert doc["metadata"]["labels"]["fp8rl/kfp-run-id"] == KFP_RUN
+    stage = Path(cfg.work_dir) / "kfp-runs" / KFP_RUN / "fp8-e2e-seed0"
+    assert f"--model {stage / 'model'}" in doc["spec"]["entrypoint"]
+    assert f"--parent-run-id {ref.run_id}" in doc["spec"]["entrypoint"]
+    assert (out / "model.safetensors").is_file()
+    run = MlflowClient(ref.tracking_uri).get_run(run_id)
+    assert run.data.tags["mlflow.parentRunId"] == ref.run_id and run.data.tags["recipe"] == "fp8-e2e"
+    assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and "summary/final_accuracy" in run.data.metrics
+
+
+def test_rayjob_backend_needs_the_volume(tracking: Artifact, tmp_path: Path) -> None:
+    template = tmp_path / "rayjob.yaml"
+    template.write_text(yaml.safe_dump({k: v for k, v in TEMPLATE.items() if k != "pvcName"}))
+    cfg = run_config("bf16", 1, 0, {}, read_run_ref(tracking))
+    with pytest.raises(UserError, match="pvcName is empty"):
+        rayjob_backend.run_rl_step_as_rayjob(cfg, tmp_path, tmp_path / "o", "p", {}, template, 1, submit=print)
+
+
+def test_rayjob_names_are_valid_and_distinct() -> None:
+    names = {
+        rayjob_backend.rayjob_name(r, s, k) for r in ("fp8-e2e", "My_Recipe.v2" * 6) for s in (0, 1) for k in ("a", "b")
+    }
+    assert len(names) == 8
+    for name in names:
+        assert len(name) <= 47 and name[0].isalpha() and all(c.islower() or c.isdigit() or c == "-" for c in name)

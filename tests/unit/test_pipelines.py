@@ -1,0 +1,231 @@
+"""Every pipeline compiles, and its IR says what Kubeflow Pipelines will run.
+
+Checked on the compiled YAML (the file a user uploads): the components and their images, the
+pipeline parameters with types and defaults, the ParallelFor over recipes and what is collected
+from it, caching, and the Kubernetes platform spec of each step (GPUs, tolerations, the data
+volume, ConfigMaps, Secrets as environment variables and never as parameters). Each embedded
+component source is also loaded as the KFP executor loads it, so a body that needs a name from
+its module (which KFP does not ship) fails here rather than in a pod.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from components.images import COMPONENT_IMAGE, RUNTIME_IMAGE
+from pipelines import PIPELINE_NAMES, get_pipelines
+from pipelines.cluster import (
+    CLUSTER_WORK_DIR,
+    DATA_MOUNT,
+    DEFAULT_HF_SECRET,
+    DEFAULT_MLFLOW_SECRET,
+    DEFAULT_PVC,
+    DEFAULT_RAYJOB_DEFAULTS,
+    GPU_RESOURCE,
+    RAYJOB_DEFAULTS_MOUNT,
+)
+from pipelines.compile import compile_all, main, pipeline_ir
+
+EXECUTORS = {
+    "fp8-rl": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "rl-step", "evaluate", "benchmark",
+               "compare-recipes"},
+    "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "rl-step", "evaluate",
+                          "benchmark", "compare-recipes"},
+    "fp8-benchmark": {"start-tracking", "prepare-model", "convert-to-fp8", "benchmark", "compare-recipes"},
+}  # fmt: skip
+GPU_STEPS = {"evaluate", "benchmark"}
+TRACKED_STEPS = {"start-tracking", "rl-step", "evaluate", "benchmark", "compare-recipes"}
+CLUSTER_PARAMS = {
+    "pvc_name": DEFAULT_PVC,
+    "rayjob_defaults": DEFAULT_RAYJOB_DEFAULTS,
+    "mlflow_secret": DEFAULT_MLFLOW_SECRET,
+    "hf_secret": DEFAULT_HF_SECRET,
+}
+
+
+@pytest.fixture(scope="module")
+def irs() -> dict[str, list[dict[str, Any]]]:
+    return {name: pipeline_ir(p) for name, p in get_pipelines().items()}
+
+
+def executors(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {k.removeprefix("exec-"): v["container"] for k, v in ir[0]["deploymentSpec"]["executors"].items()}
+
+
+def kube(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    spec = ir[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    return {k.removeprefix("exec-"): v for k, v in spec.items()}
+
+
+def all_tasks(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    tasks = dict(ir[0]["root"]["dag"]["tasks"])
+    for comp in ir[0]["components"].values():
+        tasks.update(comp.get("dag", {}).get("tasks", {}))
+    return tasks
+
+
+def test_the_three_pipelines_are_registered() -> None:
+    assert tuple(get_pipelines()) == PIPELINE_NAMES == ("fp8-rl", "recipe-comparison", "fp8-benchmark")
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_components_and_images(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    ir = irs[name]
+    assert ir[0]["pipelineInfo"]["name"] == name
+    execs = executors(ir)
+    assert set(execs) == EXECUTORS[name]
+    for step, container in execs.items():
+        assert container["image"] == (RUNTIME_IMAGE if step in GPU_STEPS else COMPONENT_IMAGE), step
+        # the images carry kfp and the project: no pip install when a pod starts
+        assert "pip install" not in " ".join(container["command"]), step
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_embedded_component_sources_load_on_their_own(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """What the KFP executor does with the shipped source: exec it alone; every default and annotation resolves."""
+    for step, container in executors(irs[name]).items():
+        module = types.ModuleType("ephemeral_component")
+        exec(compile(container["command"][3], f"<{step}>", "exec"), module.__dict__)
+        function = container["args"][container["args"].index("--function_to_execute") + 1]
+        assert callable(getattr(module, function)), step
+
+
+def _params(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return ir[0]["root"]["inputDefinitions"]["parameters"]
+
+
+def test_recipe_comparison_parameters(irs: dict[str, list[dict[str, Any]]]) -> None:
+    params = _params(irs["recipe-comparison"])
+    expected = {
+        "recipes": ("LIST", ["bf16", "fp8-rollout", "fp8-e2e"]),
+        "model_source": ("STRING", "tiny"),
+        "seed": ("NUMBER_INTEGER", 0),
+        "sft_steps": ("NUMBER_INTEGER", 600),
+        "rl_steps": ("NUMBER_INTEGER", 60),
+        "bench_steps": ("NUMBER_INTEGER", 3),
+        "run_config": ("STRUCT", {}),
+        "convert_recipe": ("STRING", "fp8-e2e"),
+        "experiment": ("STRING", "fp8rl"),
+        "work_dir": ("STRING", CLUSTER_WORK_DIR),
+        "backend": ("STRING", "rayjob"),
+        "device": ("STRING", "auto"),
+        **{k: ("STRING", v) for k, v in CLUSTER_PARAMS.items()},
+    }
+    assert {k: (v["parameterType"], v["defaultValue"]) for k, v in params.items()} == expected
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_no_secret_travels_as_a_parameter(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    for pname in _params(irs[name]):
+        assert not any(word in pname for word in ("token", "password", "credential")), pname
+    secret_names = {v for k, v in CLUSTER_PARAMS.items() if k.endswith("_secret")}
+    assert {_params(irs[name])[k]["defaultValue"] for k in ("mlflow_secret", "hf_secret")} == secret_names
+
+
+def test_recipes_fan_out_and_are_collected(irs: dict[str, list[dict[str, Any]]]) -> None:
+    ir = irs["recipe-comparison"]
+    root = ir[0]["root"]["dag"]["tasks"]
+    loop = root["for-loop-1"]
+    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--recipes"}
+    assert "iteratorPolicy" not in loop  # all recipes at once on a cluster
+    body = ir[0]["components"]["comp-for-loop-1"]["dag"]["tasks"]
+    assert set(body) == {"rl-step", "evaluate", "benchmark"}
+    assert body["evaluate"]["dependentTasks"] == ["rl-step"]
+    assert sorted(body["benchmark"]["dependentTasks"]) == ["evaluate", "rl-step"]
+    assert body["rl-step"]["inputs"]["parameters"]["recipe"] == {
+        "componentInputParameter": "pipelinechannel--recipes-loop-item"
+    }
+    assert body["rl-step"]["inputs"]["artifacts"]["model"]["componentInputArtifact"].endswith("sft-warmup-model")
+    assert body["evaluate"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "rl-step"
+    compare = root["compare-recipes"]["inputs"]
+    assert compare["parameters"]["run_ids"]["taskOutputParameter"]["producerTask"] == "for-loop-1"
+    assert compare["artifacts"]["conversion_report"]["taskOutputArtifact"]["producerTask"] == "convert-to-fp8"
+    assert compare["parameters"]["kfp_run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    assert ir[0]["root"]["outputDefinitions"]["artifacts"]["Output"]["artifactType"]["schemaTitle"] == "system.Markdown"
+
+
+def test_local_build_runs_one_recipe_at_a_time() -> None:
+    ir = pipeline_ir(get_pipelines(parallelism=1)["recipe-comparison"])
+    assert ir[0]["root"]["dag"]["tasks"]["for-loop-1"]["iteratorPolicy"] == {"parallelismLimit": 1}
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_tracked_steps_are_never_cached(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    for task, spec in all_tasks(irs[name]).items():
+        if task.startswith("for-loop"):
+            continue
+        assert spec.get("cachingOptions", {}).get("enableCache", False) is (task not in TRACKED_STEPS), task
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_kubernetes_platform_spec(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    ir = irs[name]
+    spec, execs = kube(ir), executors(ir)
+    assert set(spec) == set(execs)
+    for step, k in spec.items():
+        (mount,) = k["pvcMount"]
+        assert mount["mountPath"] == DATA_MOUNT and mount["pvcNameParameter"]["componentInputParameter"].endswith(
+            "pvc_name"
+        )
+        gpu = step in GPU_STEPS
+        assert ("tolerations" in k) is gpu, step
+        assert ("resources" in execs[step]) is gpu, step
+        if gpu:
+            assert k["tolerations"] == [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+            accel = execs[step]["resources"]["accelerator"]
+            assert (accel["resourceType"], accel["resourceCount"]) == (GPU_RESOURCE, "1")
+        secrets = {e["envVar"]: s for s in k.get("secretAsEnv", []) for e in s["keyToEnv"]}
+        if step in TRACKED_STEPS:
+            assert set(secrets) == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+            (cm,) = k["configMapAsEnv"]
+            assert cm["keyToEnv"] == [{"configMapKey": "mlflowTrackingUri", "envVar": "MLFLOW_TRACKING_URI"}]
+            assert cm["optional"] is True
+        elif step == "prepare-model":
+            assert set(secrets) == {"HF_TOKEN"}
+        else:
+            assert not secrets and "configMapAsEnv" not in k
+        for s in secrets.values():
+            assert s["optional"] is True and s["secretNameParameter"]["componentInputParameter"].endswith("_secret")
+        if step == "rl-step":
+            (vol,) = k["configMapAsVolume"]
+            assert vol["mountPath"] == RAYJOB_DEFAULTS_MOUNT
+            assert vol["configMapNameParameter"]["componentInputParameter"].endswith("rayjob_defaults")
+        else:
+            assert "configMapAsVolume" not in k
+
+
+def test_rl_step_reads_the_mounted_template(irs: dict[str, list[dict[str, Any]]]) -> None:
+    source = executors(irs["fp8-rl"])["rl-step"]["command"][3]
+    assert f'rayjob_template: str = "{RAYJOB_DEFAULTS_MOUNT}/rayjob.yaml"' in source
+
+
+def test_compile_cli_writes_one_file_per_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--output-dir", str(tmp_path), "--registry", "registry.example.com/ml/"]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted(f"{n}.yaml" for n in PIPELINE_NAMES)  # no temporary files left behind
+    for name in PIPELINE_NAMES:
+        docs = list(yaml.safe_load_all((tmp_path / f"{name}.yaml").read_text()))
+        assert docs[0]["pipelineInfo"]["name"] == name and "platforms" in docs[1]
+        images = {c["image"] for c in executors(docs).values()}
+        assert images <= {f"registry.example.com/ml/{COMPONENT_IMAGE}", f"registry.example.com/ml/{RUNTIME_IMAGE}"}
+    assert capsys.readouterr().out.count("wrote ") == 3
+
+
+def test_compile_cli_default_dir_and_selection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["fp8-rl"]) == 0
+    assert [p.name for p in (tmp_path / "dist" / "pipelines").iterdir()] == ["fp8-rl.yaml"]
+
+
+def test_compile_cli_unknown_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--output-dir", str(tmp_path), "fp8-rl", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown pipeline(s) ['nope']" in err and "recipe-comparison" in err
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(Exception, match="unknown"):
+        compile_all(tmp_path, ["nope"])
