@@ -58,7 +58,7 @@ from fp8rl.sync.inprocess import (
 )
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
-_MAGIC = 0x4650385359_4E43  # "FP8SYNC"
+_MAGIC = 0x46_50_38_53_59_4E_43  # "FP8SYNC" in ASCII
 _OK, _VERIFY_FAILED, _FAILED = 0, 1, 2
 
 # a torch.distributed ProcessGroup or a standalone backend (``new_sync_group``); both have broadcast/allreduce

@@ -25,7 +25,7 @@ from fp8rl.models import make_tiny_model
 from fp8rl.models.layers import fp8_module_names
 from fp8rl.quant import QuantizedTensor, QuantSpec
 from fp8rl.rollout import TorchRolloutEngine
-from fp8rl.sync import requantize_for_rollout, verify_engine_weights
+from fp8rl.sync import SyncVerificationError, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout, empty_payload, layout_of, plan_buckets
 from fp8rl.sync.inprocess import Payload
 from fp8rl.sync.nccl import (
@@ -101,10 +101,19 @@ def _spawn(fn: Any, nprocs: int, *args: Any) -> None:
             pytest.fail(f"{nprocs} ranks did not finish within {SPAWN_TIMEOUT_S}s")
 
 
-def _error(fn: Any, *args: Any, **kw: Any) -> str:
-    with pytest.raises(SyncTransportError) as info:
+def _error(fn: Any, *args: Any, expect: type[Exception] = SyncTransportError, **kw: Any) -> str:
+    with pytest.raises(expect) as info:
         fn(*args, **kw)
     return str(info.value)
+
+
+class _ClobberingEngine(TorchRolloutEngine):
+    """Loads every bucket right, but loading lm_head (the last one) also changes the embedding (the first)."""
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        super().load_weights(weights, version)
+        if "lm_head.weight" in weights:
+            self.model.get_input_embeddings().weight.data[0, 0] += 1
 
 
 def _two_ranks(rank: int, port: int, layout: SyncLayout, out_dir: Path) -> None:
@@ -129,6 +138,7 @@ def _two_ranks(rank: int, port: int, layout: SyncLayout, out_dir: Path) -> None:
         sync = NcclWeightSync(fp8, SPEC, device="cpu", bucket_bytes=SMALL_BUCKET, verify=True)
         res["push_error"] = _error(sync.push, weights, 4)
         res["stats"] = dataclasses.asdict(sync.push(weights, 3))
+        res["clobber_error"] = _error(sync.push, weights, 5, expect=SyncVerificationError)
         broadcast_payload(payload, layout, 0, None, "cpu", SMALL_BUCKET)
     else:
         res["received"] = _as_bytes(broadcast_payload(None, layout, 0, None, "cpu"))
@@ -137,6 +147,9 @@ def _two_ranks(rank: int, port: int, layout: SyncLayout, out_dir: Path) -> None:
         res["version_error"] = _error(receive_into, engine, layout, 99, device="cpu")
         res["stats"] = dataclasses.asdict(receive_into(engine, layout, 3, device="cpu"))
         verify_engine_weights(engine, _expected(), 3)  # against its own requantization of the weights
+        # every bucket passes its own check; only the checksums over the whole engine see the damage
+        clobbering = _ClobberingEngine(make_tiny_model("tiny", seed=1)[0], "fp8", SPEC)
+        res["clobber_error"] = _error(receive_into, clobbering, layout, 5, device="cpu", expect=SyncVerificationError)
         into = empty_payload(layout, "cpu")
         got = broadcast_payload(None, layout, 0, None, "cpu", into=into)
         assert all(got[name] is into[name] for name in into)
@@ -157,6 +170,9 @@ def test_two_processes_send_bit_identical_fp8_bytes_in_many_buckets(tmp_path: Pa
     _assert_bit_identical(receiver["into"], expected)
     assert "layout differs" in receiver["receiver_error"] and "another rank failed" in sender["sender_error"]
     assert "expects 99" in receiver["version_error"] and "another rank failed" in sender["push_error"]
+    assert "differ from the sender's bytes" in receiver["clobber_error"]
+    assert "model.embed_tokens.weight" in receiver["clobber_error"]
+    assert "another rank's weights differ" in sender["clobber_error"]
     bf16_bytes = sum(v.numel() * 2 for v in _weights()[0].values())
     assert sender["stats"]["bytes_sent"] == layout.nbytes < 0.8 * bf16_bytes
     for stats in (sender["stats"], receiver["stats"]):
