@@ -254,6 +254,11 @@ def test_mlflow_basic_auth_on(render) -> None:
     secret = rendered.one("Secret", "-mlflow-auth")
     assert set(secret["data"]) == {"admin-password", "flask-secret-key"}
     assert all(len(base64.b64decode(v)) == 48 for v in secret["data"].values())
+    # the pipeline steps' credentials (pipelines/cluster.py mlflow_secret): the admin's, rendered together
+    client = rendered.one("Secret", "-mlflow-client")
+    assert client["metadata"]["name"] == "rel-fp8rl-mlflow-client"
+    assert base64.b64decode(client["data"]["username"]) == b"admin"
+    assert client["data"]["password"] == secret["data"]["admin-password"]
     ini = rendered.one("ConfigMap", "-mlflow-auth")["data"]["basic_auth.ini"]
     assert "database_uri = sqlite:////mlflow/basic_auth.db" in ini and "admin_password" not in ini
     assert env["MLFLOW_AUTH_CONFIG_PATH"]["value"] == "/etc/mlflow-auth/basic_auth.ini"
@@ -427,8 +432,12 @@ def test_rayjob_defaults_contract(render) -> None:
     rendered = render()
     cm = rendered.one("ConfigMap", "-rayjob-defaults")
     assert cm["metadata"]["name"] == DEFAULTS_CM
-    assert set(cm["data"]) == {"rayjob.yaml", "recipe-bf16.yaml", "recipe-fp8-rollout.yaml", "recipe-fp8-e2e.yaml"}
+    assert set(cm["data"]) == {
+        "mlflowTrackingUri", "rayjob.yaml", "recipe-bf16.yaml", "recipe-fp8-rollout.yaml", "recipe-fp8-e2e.yaml"
+    }  # fmt: skip
     d = rayjob_defaults(rendered)
+    # the pipeline steps' $MLFLOW_TRACKING_URI (pipelines/cluster.py) is the RayJob's tracking URI
+    assert cm["data"]["mlflowTrackingUri"] == d["mlflowTrackingUri"]
     assert set(d) == {
         "image", "imagePullPolicy", "serviceAccountName", "head", "workers", "runtimeEnv",
         "shutdownAfterJobFinishes", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
