@@ -152,6 +152,10 @@ class RayConfig(_Strict):
     # a dead worker is replaced and the run resumes from its last checkpoint, at most this often
     max_restarts: int = Field(2, ge=0)
     object_store_mb: int = Field(512, ge=64)
+    # weight sync trainer rank 0 -> rollout workers: through the Ray object store, or a bucketed
+    # broadcast over a process group of its own (NCCL on GPUs, gloo on CPUs; fp8rl.sync.nccl)
+    sync: Literal["objectstore", "collective"] = "objectstore"
+    sync_bucket_mb: int = Field(256, ge=1)
 
 
 class RunConfig(_Strict):

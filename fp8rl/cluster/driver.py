@@ -211,8 +211,12 @@ class RayParts:
     verify: bool
     placement_group: Any
     fp8_names: list[str]
+    # set when RayConfig.sync is "collective": what the broadcast carries, agreed once
+    sync_layout: Any = None
 
     def push_weights(self, version: int) -> SyncStats:
+        if self.sync_layout is not None:
+            return self._push_collective(version)
         import time
 
         t0 = time.perf_counter()
@@ -228,6 +232,20 @@ class RayParts:
         self.engine.policy_version = version
         seconds = time.perf_counter() - t0
         return SyncStats(version, int(sizes[0]), len(self.fp8_names), 0.0, seconds, self.verify)
+
+    def _push_collective(self, version: int) -> SyncStats:
+        """Trainer rank 0 broadcasts in buckets; every rollout worker receives into its engine in place."""
+        engine = self.engine
+        if engine.colocated:
+            engine.calls.get([a.wake_up.remote() for a in engine.actors], engine.names)
+        send = self.trainer.actors[0].push_weights.remote(version)
+        receives = [a.receive_weights.remote(self.sync_layout, version) for a in engine.actors]
+        sent, *_received = engine.calls.get([send, *receives], ["trainer-0.push_weights", *engine.names])
+        if engine.colocated:
+            engine.calls.get([a.sleep.remote() for a in engine.actors], engine.names)
+        engine.policy_version = version
+        nbytes, requant_s, transfer_s = sent
+        return SyncStats(version, int(nbytes), len(self.fp8_names), requant_s, transfer_s, self.verify)
 
     def save_policy(self, output_dir: str | Path) -> None:
         self.trainer.calls.get(
@@ -322,7 +340,11 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     engine = RolloutGroup(rollouts, calls, rc.layout == "colocated", pad, 0, r_names)
     if engine.colocated:
         calls.get([a.sleep.remote() for a in rollouts], r_names)
-    log(f"ray: {n} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, device {device}")
+    layout = _init_collective_sync(calls, trainers[0], rollouts, rc, fp8_names) if rc.sync == "collective" else None
+    log(
+        f"ray: {n} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, "
+        f"device {device}, sync {rc.sync}"
+    )
     return RayParts(
         load_tokenizer(model_dir),
         bf16_bytes,
@@ -332,7 +354,19 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
         cfg.verify_sync,
         pg,
         fp8_names,
+        layout,
     )
+
+
+def _init_collective_sync(calls: _Calls, sender: Any, receivers: list[Any], rc: RayConfig, fp8_names: list[str]) -> Any:
+    """Form the sync group (trainer rank 0 + every rollout worker) and agree on the payload layout."""
+    address = calls.get(sender.free_address.remote(), "trainer-0.free_address")
+    init_method = "tcp://{}:{}".format(*address)
+    world = 1 + len(receivers)
+    joins = [sender.init_sync_group.remote(init_method, world, fp8_names, rc.sync_bucket_mb)]
+    joins += [r.init_sync_group.remote(init_method, i + 1, world) for i, r in enumerate(receivers)]
+    calls.get(joins, "sync group")
+    return calls.get(sender.sync_layout.remote(), "trainer-0.sync_layout")
 
 
 def _free_address() -> tuple[str, int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,17 @@ from fp8rl.loop import build_engine, quant_spec, trainer_options
 from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
+from fp8rl.sync.buckets import SyncLayout
+from fp8rl.sync.nccl import NcclWeightSync, new_sync_group, receive_into
 from fp8rl.sync.wire import WirePayload, from_wire, to_wire
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 
 # gloo/NCCL collectives give up after this long rather than hang on a dead peer
 COLLECTIVE_TIMEOUT_S = 300
+
+
+def _backend(device: torch.device) -> Literal["nccl", "gloo"]:
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _set_threads(num_threads: int) -> None:
@@ -106,6 +112,34 @@ class TrainerWorker:
         """The weights requantized with the rollout recipe (rank 0 only; every rank holds the same)."""
         return to_wire(requantize_for_rollout(self.trainer.hf_state_dict(), set(fp8_names), quant_spec(self.cfg)))
 
+    def init_sync_group(self, init_method: str, world_size: int, fp8_names: list[str], bucket_mb: int) -> None:
+        """Join the sync group as its rank 0 (the sender), beside the data-parallel group."""
+        device = self.trainer.device
+        self.sync_group = new_sync_group(init_method, 0, world_size, _backend(device), COLLECTIVE_TIMEOUT_S)
+        self.collective = NcclWeightSync(
+            set(fp8_names), quant_spec(self.cfg), device=device, group=self.sync_group, src=0,
+            bucket_bytes=bucket_mb << 20, verify=self.cfg.verify_sync,
+        )  # fmt: skip
+
+    def free_address(self) -> tuple[str, int]:
+        """This node's IP and a free port: the rendezvous of the sync group this rank will lead."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def sync_layout(self) -> SyncLayout:
+        return self.collective.layout(self.trainer.hf_state_dict())
+
+    def push_weights(self, version: int) -> tuple[int, float, float]:
+        """Broadcast the requantized weights; (bytes, requantize s, transfer s)."""
+        stats = self.collective.push(self.trainer.hf_state_dict(), version)
+        return stats.bytes_sent, stats.requantize_seconds, stats.load_seconds
+
     def bf16_bytes(self) -> int:
         return sum(p.numel() * 2 for p in self.trainer.model.parameters())
 
@@ -153,6 +187,19 @@ class RolloutWorker:
         if verify:
             verify_engine_weights(self.engine, payload, version)
         return payload_bytes(payload)
+
+    def init_sync_group(self, init_method: str, rank: int, world_size: int) -> None:
+        """Join the sync group as a receiver (rank >= 1)."""
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+        self.sync_group = new_sync_group(
+            init_method, rank, world_size, _backend(self.engine.device), COLLECTIVE_TIMEOUT_S
+        )
+
+    def receive_weights(self, layout: SyncLayout, version: int) -> int:
+        """Receive one broadcast push into the engine in place; the sender decides whether to verify."""
+        stats = receive_into(self.engine, layout, version, device=self.engine.device, group=self.sync_group, src=0)
+        return stats.bytes_sent
 
     def policy_version(self) -> int:
         return self.engine.policy_version

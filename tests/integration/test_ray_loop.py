@@ -73,6 +73,24 @@ def test_two_trainers_one_rollout_reproduce_the_single_process_run(
     assert on_ray.final == pytest.approx(single.final)
 
 
+def test_collective_sync_matches_the_object_store_run(local_ray: object, warm_model: Path, tmp_path: Path) -> None:
+    """The bucketed broadcast transport (gloo on CPU; NCCL on GPUs) gives the engines what the object store does."""
+    from fp8rl.cluster.driver import run_rl_on_ray
+
+    base = {"trainer_workers": 1, "rollout_workers": 2}
+    lines: list[str] = []
+    store = run_rl_on_ray(
+        _cfg("fp8-e2e", RayConfig(**base), tmp_path, steps=2), warm_model, MemorySink(), log=lines.append
+    )
+    cfg = _cfg("fp8-e2e", RayConfig(**base, sync="collective", sync_bucket_mb=1), tmp_path, steps=2)
+    collective = run_rl_on_ray(cfg, warm_model, MemorySink(), log=lines.append)
+    assert any("sync collective" in line for line in lines)
+    for a, b in zip(store.history, collective.history, strict=True):
+        assert b["reward"] == a["reward"] and b["train/loss"] == a["train/loss"]
+        assert b["sync/bytes"] == a["sync/bytes"] and b["sync/policy_version"] == a["sync/policy_version"]
+    assert collective.final == store.final
+
+
 def test_colocated_layout_sleeps_the_engines_between_generations(
     local_ray: object, warm_model: Path, tmp_path: Path
 ) -> None:
