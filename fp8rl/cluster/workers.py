@@ -115,6 +115,8 @@ class TrainerWorker:
     def init_sync_group(self, init_method: str, world_size: int, fp8_names: list[str], bucket_mb: int) -> None:
         """Join the sync group as its rank 0 (the sender), beside the data-parallel group."""
         device = self.trainer.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)
         self.sync_group = new_sync_group(init_method, 0, world_size, _backend(device), COLLECTIVE_TIMEOUT_S)
         self.collective = NcclWeightSync(
             set(fp8_names), quant_spec(self.cfg), device=device, group=self.sync_group, src=0,
@@ -191,7 +193,7 @@ class RolloutWorker:
     def init_sync_group(self, init_method: str, rank: int, world_size: int) -> None:
         """Join the sync group as a receiver (rank >= 1)."""
         if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device)
+            torch.cuda.set_device(self.engine.device.index or 0)
         self.sync_group = new_sync_group(
             init_method, rank, world_size, _backend(self.engine.device), COLLECTIVE_TIMEOUT_S
         )
