@@ -325,6 +325,7 @@ def run_rl(
         torch.set_rng_state(state.torch_rng)
         parts.push_weights(state.step)
         result, first = RLResult(name, state.initial, state.final, state.history), state.step + 1
+        _relog_unflushed(sink, state.initial, state.history)
         log(f"[{name}] resumed from the checkpoint of step {state.step} in {checkpoint_dir}")
     for step in range(first, cfg.steps + 1):
         metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
@@ -351,6 +352,24 @@ def run_rl(
         parts.save_policy(output_dir)
         log(f"[{name}] trained policy saved to {output_dir}")
     return result
+
+
+def _relog_unflushed(sink: MetricsSink, initial: dict[str, float], history: list[dict[str, float]]) -> None:
+    """Log the checkpointed steps the sink does not hold (a kill between checkpoint and flush).
+
+    Each step's metrics go to the sink in one call (one MLflow batch), so a step is there
+    whole or not at all; its ``time/step_s`` says which.  Sinks that cannot be read back
+    (no ``history``) get nothing again.
+    """
+    read = getattr(sink, "history", None)
+    if read is None:
+        return
+    if not any(step == 0 for step, _ in read("eval/accuracy")):
+        sink.log_metrics(initial, step=0)
+    held = {step for step, _ in read("time/step_s")}
+    for step, metrics in enumerate(history, start=1):
+        if step not in held:
+            sink.log_metrics(metrics, step=step)
 
 
 def _step_line(name: str, step: int, steps: int, m: dict[str, float]) -> str:

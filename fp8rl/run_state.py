@@ -9,7 +9,9 @@ of one.  The two newest checkpoints are kept.
 
 Metrics reach the tracking sink only after the checkpoint that covers their step is
 saved (``MetricsBuffer``): a step that ran after the last checkpoint and was lost with a
-worker is computed again on resume, and logged once.
+worker is computed again on resume, and logged once.  A kill between saving a checkpoint
+and flushing its metrics is repaired on resume: the loop reads back which steps the sink
+holds and logs the checkpointed ones it lacks (``fp8rl.loop``).
 """
 
 from __future__ import annotations

@@ -174,6 +174,10 @@ class MlflowSink(ClosesOnExit):
         for chunk in _chunks(entries, _PARAMS_TAGS_PER_BATCH):
             self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
 
+    def history(self, metric: str) -> list[tuple[int, float]]:
+        """``[(step, value), ...]`` of ``metric`` as the tracking store holds it (a resumed run reads it)."""
+        return [(m.step, m.value) for m in self._client.get_metric_history(self.run_id, metric)]
+
     def close(self, status: RunStatus = "FINISHED") -> None:
         if self._closed:
             return

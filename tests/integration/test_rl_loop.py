@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,36 @@ def test_cli_train_config_file_and_several_recipes(tmp_path: Path, warm_model: P
     assert r.returncode == 2 and "grpo.prompts_per_step" in r.stderr and str(config) in r.stderr
     r = subprocess.run([*cmd[:4], "--seeds", "0,x"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "--seeds" in r.stderr
+
+
+def test_a_killed_driver_resumes_into_the_same_mlflow_run(tmp_path: Path, warm_model: Path) -> None:
+    """Kill `fp8rl train` after step 2 (checkpointed every step), run it again: steps 3-4 follow in the same run."""
+    import signal
+
+    from mlflow.tracking import MlflowClient
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "fp8rl", "train", "--recipe", "fp8-rollout", "--model", str(warm_model)]
+    cmd += ["--steps", "4", "--work-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    cmd += ["--checkpoint-every", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "step 2/4" in line:
+            # the step-2 checkpoint is written right after this line; wait for it, then kill
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "ckpt" / "step-000002").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from the checkpoint of step" in r.stdout
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("fp8rl").experiment_id])
+    assert len(runs) == 1  # the rerun logged into the first attempt's run
+    steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "reward"))
+    assert steps == [1, 2, 3, 4]  # none lost, none repeated
+    assert runs[0].info.status == "FINISHED"
