@@ -49,7 +49,7 @@ _T = TypeVar("_T")
 
 
 def default_tracking_uri(work_dir: str | os.PathLike[str]) -> str:
-    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<abs work_dir>/mlflow.db``."""
+    """``$MLFLOW_TRACKING_URI`` if the user set it, else ``sqlite:///<abs work_dir>/mlflow.db``."""
     if uri := os.environ.get(TRACKING_URI_ENV):
         return uri
     return f"sqlite:///{Path(work_dir).resolve() / DB_NAME}"
@@ -78,7 +78,15 @@ def configure_mlflow(work_dir: str | os.PathLike[str]) -> str:
     from mlflow.telemetry import set_telemetry_client
 
     set_telemetry_client()  # re-reads the variable: drops a client made by an earlier import
+    users = os.environ.get(TRACKING_URI_ENV)
     mlflow.set_tracking_uri(uri)
+    # mlflow.set_tracking_uri also exports $MLFLOW_TRACKING_URI; put back the user's value (or
+    # none), so the variable keeps meaning "the user chose a store" and a later call for another
+    # work dir is not pinned to this one.
+    if users is None:
+        os.environ.pop(TRACKING_URI_ENV, None)
+    else:
+        os.environ[TRACKING_URI_ENV] = users
     return uri
 
 

@@ -6,9 +6,10 @@ shorter one (60 steps, 32 prompts, avg@8) so CI can afford it, and asserts:
 - learning: for every recipe, held-out sampled accuracy (avg@k at the rollout temperature)
   after RL is above the SFT start, on average over the seeds;
 - mismatch: the run-mean token_mult_prob_error orders bf16 <= fp8-e2e < fp8-rollout.  On CPU
-  the engine and the trainer run bit-identical numerics for bf16 and for fp8-e2e (the same
-  quantization code, the same kernels), so the first two are exactly 1 and only fp8-rollout,
-  FP8 generation against BF16 training, shows a mismatch.
+  the engine and the trainer run the same numerics for bf16 and for fp8-e2e (the same
+  quantization code, the same kernels), so the first two are 1 up to the last bit of a few
+  CPU GEMMs whose blocking depends on the batch shape (seen: 1 + 1.5e-6), and only
+  fp8-rollout, FP8 generation against BF16 training, shows a mismatch.
 """
 
 from __future__ import annotations
@@ -53,6 +54,6 @@ def test_rl_beats_the_sft_start_and_mismatch_orders_the_recipes(tmp_path: Path) 
     print(report)
     for recipe in RECIPES:
         assert report[recipe][0] > 0.0, f"{recipe}: sampled accuracy did not improve on average: {gains[recipe]}"
-    assert report["bf16"][1] == pytest.approx(1.0, abs=1e-6)
-    assert report["bf16"][1] <= report["fp8-e2e"][1] + 1e-6
+    assert report["bf16"][1] == pytest.approx(1.0, abs=1e-4)
+    assert report["bf16"][1] <= report["fp8-e2e"][1] + 1e-4
     assert report["fp8-e2e"][1] < report["fp8-rollout"][1] - 1e-3

@@ -229,3 +229,16 @@ def test_unknown_experiment_is_a_user_error(work_dir: Path) -> None:
 
     with pytest.raises(UserError, match="no-such-experiment"):
         fetch_recipe_runs("no-such-experiment", None, default_tracking_uri(work_dir))
+
+
+def test_each_work_dir_gets_its_own_store_though_mlflow_exports_the_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mlflow.set_tracking_uri exports $MLFLOW_TRACKING_URI; that must not pin later work dirs to the first
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first = configure_mlflow(tmp_path / "a")
+    second = configure_mlflow(tmp_path / "b")
+    assert first != second and second.endswith("/b/mlflow.db")
+    # a URI the user set is still respected, every time
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    assert configure_mlflow(tmp_path / "c") == configure_mlflow(tmp_path / "d") == "http://tracking.example:5000"
