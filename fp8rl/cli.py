@@ -174,6 +174,39 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "train",
+        help="run the RL loop (one process) for one or more recipes, tracked in MLflow",
+        description="Several --recipe or --seeds run as child runs of one MLflow comparison run.",
+    )
+    p.add_argument(
+        "--recipe",
+        action="append",
+        help="bf16 | fp8-rollout | fp8-e2e | path to a recipe YAML; repeat to compare (default: fp8-e2e)",
+    )
+    p.add_argument("--config", default=None, metavar="FILE", help="a run config YAML (fields of RunConfig)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the SFT-warmed tiny model)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's, 60)")
+    p.add_argument("--seeds", default=None, metavar="S[,S...]", help="seeds, comma-separated (default: 0)")
+    p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-up steps when no --model is given")
+    p.add_argument("--work-dir", default=None, help="runs, models and the MLflow store (default: work)")
+    p.add_argument("--experiment", default=None, help="MLflow experiment (default: fp8rl)")
+    p.add_argument("--run-name", default="recipe-comparison", help="name of the parent run of a comparison")
+    p.add_argument("--parent-run-id", default=None, help="log as a child of this MLflow run (one recipe and seed)")
+    p.add_argument("--output-dir", default=None, help="save the trained policy here (one recipe and seed)")
+    p.add_argument(
+        "--checkpoint-dir", default=None, help="checkpoint the loop here; a rerun resumes from it (one recipe and seed)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N steps")
+    ray = p.add_argument_group("Ray (any of these runs the loop on Ray actors)")
+    ray.add_argument("--trainer-workers", type=int, default=None, metavar="N", help="data-parallel trainer actors")
+    ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
+    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
+    ray.add_argument("--layout", choices=["split", "colocated"], default=None, help="actor placement")
+    p.set_defaults(func=_cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description="End-to-end FP8 reinforcement learning for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,36 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sft)
 
-    p = sub.add_parser(
-        "train",
-        help="run the RL loop (one process) for one or more recipes, tracked in MLflow",
-        description="Several --recipe or --seeds run as child runs of one MLflow comparison run.",
-    )
-    p.add_argument(
-        "--recipe",
-        action="append",
-        help="bf16 | fp8-rollout | fp8-e2e | path to a recipe YAML; repeat to compare (default: fp8-e2e)",
-    )
-    p.add_argument("--config", default=None, metavar="FILE", help="a run config YAML (fields of RunConfig)")
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the SFT-warmed tiny model)")
-    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's, 60)")
-    p.add_argument("--seeds", default=None, metavar="S[,S...]", help="seeds, comma-separated (default: 0)")
-    p.add_argument("--sft-steps", type=int, default=600, help="SFT warm-up steps when no --model is given")
-    p.add_argument("--work-dir", default=None, help="runs, models and the MLflow store (default: work)")
-    p.add_argument("--experiment", default=None, help="MLflow experiment (default: fp8rl)")
-    p.add_argument("--run-name", default="recipe-comparison", help="name of the parent run of a comparison")
-    p.add_argument("--parent-run-id", default=None, help="log as a child of this MLflow run (one recipe and seed)")
-    p.add_argument("--output-dir", default=None, help="save the trained policy here (one recipe and seed)")
-    p.add_argument(
-        "--checkpoint-dir", default=None, help="checkpoint the loop here; a rerun resumes from it (one recipe and seed)"
-    )
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N steps")
-    ray = p.add_argument_group("Ray (any of these runs the loop on Ray actors)")
-    ray.add_argument("--trainer-workers", type=int, default=None, metavar="N", help="data-parallel trainer actors")
-    ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
-    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
-    ray.add_argument("--layout", choices=["split", "colocated"], default=None, help="actor placement")
-    p.set_defaults(func=_cmd_train)
+    _add_train_parser(sub)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
     p.add_argument("--work-dir", default="work")

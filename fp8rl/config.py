@@ -183,8 +183,9 @@ class RunConfig(_Strict):
     experiment: str = "fp8rl"
 
 
-def _format_errors(e: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid configuration"]
+def format_validation_errors(e: ValidationError, source: str, what: str = "configuration") -> str:
+    """``<source>: invalid <what>`` and one indented ``field.path: message`` line per error."""
+    lines = [f"{source}: invalid {what}"]
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"])
         lines.append(f"  {loc or '(root)'}: {err['msg']}")
@@ -195,7 +196,7 @@ def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(format_validation_errors(e, source)) from None
 
 
 def load_recipe(name_or_path: str) -> Recipe:
@@ -228,4 +229,4 @@ def parse_run_config(data: Any, source: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(format_validation_errors(e, source)) from None

@@ -63,10 +63,10 @@ def run_name(cfg: RunConfig) -> str:
     return f"{cfg.recipe.name}-seed{cfg.seed}"
 
 
-def histories(result: RLResult, initial_step: bool = True) -> dict[str, list[tuple[int, float]]]:
+def histories(result: RLResult) -> dict[str, list[tuple[int, float]]]:
     """``{metric: [(step, value), ...]}`` for the plotted metrics; held-out accuracy includes step 0."""
     out: dict[str, list[tuple[int, float]]] = {k: [] for k in PLOTTED_METRICS}
-    for key, value in result.initial.items() if initial_step else ():
+    for key, value in result.initial.items():
         if key in out:
             out[key].append((0, value))
     for step, metrics in enumerate(result.history, start=1):

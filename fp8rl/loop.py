@@ -25,11 +25,9 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.atomic import atomic_directory
 from fp8rl.config import ConfigError, RunConfig
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.models.loading import load_tokenizer
-from fp8rl.models.tiny import pin_tokenizer_class
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import CorrectionConfig, PolicyLossConfig, grpo_advantages, mismatch_correction, mismatch_metrics
 from fp8rl.rollout.base import RolloutGenerator, SamplingParams
@@ -38,7 +36,6 @@ from fp8rl.run_state import (
     LoopState,
     MetricsBuffer,
     load_latest,
-    python_rng_state,
     restore_python_rng,
     save_loop_state,
 )
@@ -149,10 +146,7 @@ class LocalParts:
         return self.sync.push(self.trainer.hf_state_dict(), version=version)
 
     def save_policy(self, output_dir: str | Path) -> None:
-        with atomic_directory(output_dir, overwrite=True) as tmp:
-            self.trainer.save(tmp)
-            self.tok.save_pretrained(tmp)
-            pin_tokenizer_class(Path(tmp))
+        self.trainer.save_checkpoint(output_dir, self.tok)
 
 
 def trainer_options(cfg: RunConfig) -> TrainerOptions:
@@ -311,22 +305,9 @@ def run_rl(
     name = cfg.recipe.name
     parts = parts or build_parts(cfg, model_dir, device)
     train_pool, heldout = task_examples(cfg)
-    every = cfg.checkpoint_every if checkpoint_dir is not None else 0
-    out = MetricsBuffer(sink, buffered=every > 0)
-    state = load_latest(checkpoint_dir) if checkpoint_dir is not None and every else None
-    if state is None:
-        initial = evaluate_heldout(cfg, parts, heldout)
-        out.log(initial, step=0)
-        log(f"[{name}] step 0 held-out accuracy {_eval_line(initial)}")
-        result, first = RLResult(name, initial, initial), 1
-    else:
-        parts.trainer.load_state_dict(state.trainer)
-        restore_python_rng(rng, state.python_rng)
-        torch.set_rng_state(state.torch_rng)
-        parts.push_weights(state.step)
-        result, first = RLResult(name, state.initial, state.final, state.history), state.step + 1
-        _relog_unflushed(sink, state.initial, state.history)
-        log(f"[{name}] resumed from the checkpoint of step {state.step} in {checkpoint_dir}")
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None and cfg.checkpoint_every else None
+    out = MetricsBuffer(sink, buffered=ckpt is not None)
+    result, first = _start_or_resume(cfg, parts, heldout, rng, out, ckpt, log)
     for step in range(first, cfg.steps + 1):
         metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -335,17 +316,9 @@ def run_rl(
         out.log(metrics, step=step)
         result.history.append(metrics)
         log(_step_line(name, step, cfg.steps, metrics))
-        if every and checkpoint_dir is not None and (step % every == 0 or step == cfg.steps):
-            state = LoopState(
-                step,
-                parts.trainer.state_dict(),
-                python_rng_state(rng),
-                torch.get_rng_state(),
-                result.initial,
-                result.final,
-                result.history,
-            )
-            save_loop_state(checkpoint_dir, state)
+        if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+            state = LoopState(step, parts.trainer.state_dict(), rng.getstate(), torch.get_rng_state(), result.initial, result.final, result.history)  # fmt: skip
+            save_loop_state(ckpt, state)
             out.flush()
     out.flush()
     if output_dir is not None:
@@ -354,19 +327,42 @@ def run_rl(
     return result
 
 
+def _start_or_resume(
+    cfg: RunConfig,
+    parts: Parts,
+    heldout: list[Example],
+    rng: random.Random,
+    out: MetricsBuffer,
+    ckpt: Path | None,
+    log: Callable[[str], None],
+) -> tuple[RLResult, int]:
+    """The result so far and the first step to run: a fresh start (held-out evaluation at step 0), or
+    the newest checkpoint in ``ckpt`` restored into the trainer, the RNGs and the engine."""
+    name = cfg.recipe.name
+    state = load_latest(ckpt) if ckpt is not None else None
+    if state is None:
+        initial = evaluate_heldout(cfg, parts, heldout)
+        out.log(initial, step=0)
+        log(f"[{name}] step 0 held-out accuracy {_eval_line(initial)}")
+        return RLResult(name, initial, initial), 1
+    parts.trainer.load_state_dict(state.trainer)
+    restore_python_rng(rng, state.python_rng)
+    torch.set_rng_state(state.torch_rng)
+    parts.push_weights(state.step)
+    _relog_unflushed(out.sink, state.initial, state.history)
+    log(f"[{name}] resumed from the checkpoint of step {state.step} in {ckpt}")
+    return RLResult(name, state.initial, state.final, state.history), state.step + 1
+
+
 def _relog_unflushed(sink: MetricsSink, initial: dict[str, float], history: list[dict[str, float]]) -> None:
     """Log the checkpointed steps the sink does not hold (a kill between checkpoint and flush).
 
     Each step's metrics go to the sink in one call (one MLflow batch), so a step is there
-    whole or not at all; its ``time/step_s`` says which.  Sinks that cannot be read back
-    (no ``history``) get nothing again.
+    whole or not at all; its ``time/step_s`` says which.
     """
-    read = getattr(sink, "history", None)
-    if read is None:
-        return
-    if not any(step == 0 for step, _ in read("eval/accuracy")):
+    if not any(step == 0 for step, _ in sink.history("eval/accuracy")):
         sink.log_metrics(initial, step=0)
-    held = {step for step, _ in read("time/step_s")}
+    held = {step for step, _ in sink.history("time/step_s")}
     for step, metrics in enumerate(history, start=1):
         if step not in held:
             sink.log_metrics(metrics, step=step)

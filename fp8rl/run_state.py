@@ -75,10 +75,6 @@ def load_latest(root: str | os.PathLike[str]) -> LoopState | None:
     return LoopState(**data)
 
 
-def python_rng_state(rng: random.Random) -> Any:
-    return rng.getstate()
-
-
 def restore_python_rng(rng: random.Random, state: Any) -> None:
     # torch.load gives the nested tuples back as lists
     version, internal, gauss = state

@@ -24,6 +24,7 @@ driver replace every actor and resume from the last checkpoint, at most
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -124,8 +125,7 @@ class RolloutGroup:
     names: list[str] = field(default_factory=list)
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
-        if self.colocated:
-            self.calls.get([a.wake_up.remote() for a in self.actors], self.names)
+        self.wake_up()
         chunks = _row_chunks(len(prompt_ids), len(self.actors))
         refs = []
         for i, (actor, rows) in enumerate(zip(self.actors, chunks, strict=False)):
@@ -133,9 +133,18 @@ class RolloutGroup:
             params = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + 7919 * i})
             refs.append(actor.generate.remote(prompt_ids[rows], params))
         rollouts = self.calls.get(refs, [f"{n}.generate" for n in self.names[: len(refs)]])
+        self.sleep()
+        return _cat_rollouts(rollouts, self.pad_token_id)
+
+    def wake_up(self) -> None:
+        """Colocated engines take their device memory back (generation, weight loads); no-op when split."""
+        if self.colocated:
+            self.calls.get([a.wake_up.remote() for a in self.actors], self.names)
+
+    def sleep(self) -> None:
+        """Colocated engines give their device memory to training; no-op when split."""
         if self.colocated:
             self.calls.get([a.sleep.remote() for a in self.actors], self.names)
-        return _cat_rollouts(rollouts, self.pad_token_id)
 
 
 @dataclass
@@ -217,18 +226,14 @@ class RayParts:
     def push_weights(self, version: int) -> SyncStats:
         if self.sync_layout is not None:
             return self._push_collective(version)
-        import time
-
         t0 = time.perf_counter()
         # requantized once, on trainer rank 0; the payload stays in the object store and each
         # rollout worker fetches it by reference
         payload_ref = self.trainer.actors[0].rollout_payload.remote(self.fp8_names)
-        if self.engine.colocated:
-            self.engine.calls.get([a.wake_up.remote() for a in self.engine.actors], self.engine.names)
+        self.engine.wake_up()
         loads = [a.load_weights.remote(payload_ref, version, self.verify) for a in self.engine.actors]
         sizes = self.engine.calls.get(loads, [f"{n}.load_weights" for n in self.engine.names])
-        if self.engine.colocated:
-            self.engine.calls.get([a.sleep.remote() for a in self.engine.actors], self.engine.names)
+        self.engine.sleep()
         self.engine.policy_version = version
         seconds = time.perf_counter() - t0
         return SyncStats(version, int(sizes[0]), len(self.fp8_names), 0.0, seconds, self.verify)
@@ -236,13 +241,11 @@ class RayParts:
     def _push_collective(self, version: int) -> SyncStats:
         """Trainer rank 0 broadcasts in buckets; every rollout worker receives into its engine in place."""
         engine = self.engine
-        if engine.colocated:
-            engine.calls.get([a.wake_up.remote() for a in engine.actors], engine.names)
+        engine.wake_up()
         send = self.trainer.actors[0].push_weights.remote(version)
         receives = [a.receive_weights.remote(self.sync_layout, version) for a in engine.actors]
         sent, *_received = engine.calls.get([send, *receives], ["trainer-0.push_weights", *engine.names])
-        if engine.colocated:
-            engine.calls.get([a.sleep.remote() for a in engine.actors], engine.names)
+        engine.sleep()
         engine.policy_version = version
         nbytes, requant_s, transfer_s = sent
         return SyncStats(version, int(nbytes), len(self.fp8_names), requant_s, transfer_s, self.verify)
@@ -261,13 +264,16 @@ class RayParts:
         remove_placement_group(self.placement_group)
 
 
-def _bundles(rc: RayConfig, use_gpu: bool, cpus: float) -> list[dict[str, float]]:
+CPUS_PER_BUNDLE = 1.0
+
+
+def _bundles(rc: RayConfig, use_gpu: bool) -> list[dict[str, float]]:
     count = (
         max(rc.trainer_workers, rc.rollout_workers)
         if rc.layout == "colocated"
         else rc.trainer_workers + rc.rollout_workers
     )
-    bundle = {"CPU": cpus, **({"GPU": 1.0} if use_gpu else {})}
+    bundle = {"CPU": CPUS_PER_BUNDLE, **({"GPU": 1.0} if use_gpu else {})}
     return [dict(bundle) for _ in range(count)]
 
 
@@ -277,85 +283,103 @@ def _bundle_index(rc: RayConfig, role: str, i: int) -> int:
     return i if role == "trainer" else rc.trainer_workers + i
 
 
-def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str], None] = print) -> RayParts:
-    """Place the actors, set up the trainers' process group, and check the engines start in sync."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+@dataclass
+class _Placement:
+    """The placement group of one RL step, and the Ray options that put each actor in its bundle."""
 
-    rc = cfg.ray or RayConfig()
-    calls = _Calls(rc.actor_timeout_s)
-    use_gpu = ray.cluster_resources().get("GPU", 0) >= len(_bundles(rc, True, 1))
-    share = 0.5 if rc.layout == "colocated" else 1.0
-    cpus_per_bundle = 1.0
-    threads = max(1, (os.cpu_count() or 1) // (rc.trainer_workers + rc.rollout_workers))
-    pg = placement_group(_bundles(rc, use_gpu, cpus_per_bundle), strategy="PACK")
-    calls.get(pg.ready(), "placement group (are enough CPUs/GPUs free?)")
-    device = "cuda" if use_gpu else "cpu"
-    prefix = f"fp8rl-{uuid.uuid4().hex[:8]}-"
+    rc: RayConfig
+    group: Any
+    use_gpu: bool
+    prefix: str  # actors are named, so an operator (or a test) can find them: ray.util.list_named_actors()
 
-    def options(role: str, i: int) -> dict[str, Any]:
-        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=_bundle_index(rc, role, i))
-        return {
-            "num_cpus": cpus_per_bundle * share,
-            "num_gpus": share if use_gpu else 0,
-            "scheduling_strategy": strategy,
-            # named, so an operator (or a test) can find one: ray.util.list_named_actors()
-            "name": f"{prefix}{role}-{i}",
-            "max_restarts": 0,
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"
+
+    def options(self, role: str, i: int, actor: bool = True) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        share = 0.5 if self.rc.layout == "colocated" else 1.0
+        index = _bundle_index(self.rc, role, i)
+        opts: dict[str, Any] = {
+            "num_cpus": CPUS_PER_BUNDLE * share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
         }
+        if actor:
+            opts |= {"num_gpus": share if self.use_gpu else 0, "name": f"{self.prefix}{role}-{i}", "max_restarts": 0}
+        return opts
 
-    from fp8rl.cluster.workers import RolloutWorker, TrainerWorker
 
-    cfg_data = cfg.model_dump(mode="json")
-    placement = {k: v for k, v in options("trainer", 0).items() if k in ("num_cpus", "scheduling_strategy")}
-    addr_port = ray.remote(_free_address).options(**placement).remote()
-    init_method = "tcp://{}:{}".format(*calls.get(addr_port, "trainer-0 address"))
-    n = rc.trainer_workers
-    trainer_cls = ray.remote(TrainerWorker)
+def _place(rc: RayConfig, calls: _Calls) -> _Placement:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= len(_bundles(rc, True))
+    group = placement_group(_bundles(rc, use_gpu), strategy="PACK")
+    calls.get(group.ready(), "placement group (are enough CPUs/GPUs free?)")
+    return _Placement(rc, group, use_gpu, f"fp8rl-{uuid.uuid4().hex[:8]}-")
+
+
+def _start_actors(
+    cfg: RunConfig, model_dir: str | Path, where: _Placement, calls: _Calls
+) -> tuple[list[Any], list[Any]]:
+    """Trainer ranks (joined in one process group) and rollout workers, each constructed and answering."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from fp8rl.cluster.workers import RolloutWorker, TrainerWorker, node_address
+
+    rc, cfg_data, model = where.rc, cfg.model_dump(mode="json"), str(model_dir)
+    threads = max(1, (os.cpu_count() or 1) // (rc.trainer_workers + rc.rollout_workers))
+    address = ray.remote(node_address).options(**where.options("trainer", 0, actor=False)).remote()
+    init_method = "tcp://{}:{}".format(*calls.get(address, "trainer-0 address"))
+    n, device = rc.trainer_workers, where.device
+    trainer_cls, rollout_cls = ray.remote(TrainerWorker), ray.remote(RolloutWorker)
     trainers: list[Any] = [
-        trainer_cls.options(**options("trainer", r)).remote(
-            r, n, init_method, cfg_data, str(model_dir), device, threads
-        )
+        trainer_cls.options(**where.options("trainer", r)).remote(r, n, init_method, cfg_data, model, device, threads)
         for r in range(n)
     ]
-    rollout_cls = ray.remote(RolloutWorker)
     rollouts: list[Any] = [
-        rollout_cls.options(**options("rollout", i)).remote(cfg_data, str(model_dir), device, threads)
+        rollout_cls.options(**where.options("rollout", i)).remote(cfg_data, model, device, threads)
         for i in range(rc.rollout_workers)
     ]
-    t_names = [f"trainer-{r}" for r in range(n)]
-    r_names = [f"rollout-{i}" for i in range(rc.rollout_workers)]
     try:
-        calls.get([t.ready.remote() for t in trainers], t_names)
-        calls.get([r.pid.remote() for r in rollouts], r_names)
+        calls.get([t.ready.remote() for t in trainers], _names_of("trainer", n))
+        calls.get([r.pid.remote() for r in rollouts], _names_of("rollout", rc.rollout_workers))
     except WorkerDied as e:  # a constructor raised: not a fault to resume from
         for actor in trainers + rollouts:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(pg)
+        remove_placement_group(where.group)
         raise WorkerError(f"workers failed to start: {e}") from e
+    return trainers, rollouts
+
+
+def _names_of(role: str, count: int) -> list[str]:
+    return [f"{role}-{i}" for i in range(count)]
+
+
+def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str], None] = print) -> RayParts:
+    """Place the actors, set up the trainers' process group, and check the engines start in sync."""
+    rc = cfg.ray or RayConfig()
+    calls = _Calls(rc.actor_timeout_s)
+    where = _place(rc, calls)
+    trainers, rollouts = _start_actors(cfg, model_dir, where, calls)
+    r_names = _names_of("rollout", rc.rollout_workers)
     fp8_names = calls.get(rollouts[0].fp8_weight_names.remote(), "rollout-0")
     pad = calls.get(rollouts[0].pad_token_id.remote(), "rollout-0")
     bf16_bytes = calls.get(trainers[0].bf16_bytes.remote(), "trainer-0")
     engine = RolloutGroup(rollouts, calls, rc.layout == "colocated", pad, 0, r_names)
-    if engine.colocated:
-        calls.get([a.sleep.remote() for a in rollouts], r_names)
+    engine.sleep()
     layout = _init_collective_sync(calls, trainers[0], rollouts, rc, fp8_names) if rc.sync == "collective" else None
     log(
-        f"ray: {n} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, "
-        f"device {device}, sync {rc.sync}"
+        f"ray: {rc.trainer_workers} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, "
+        f"device {where.device}, sync {rc.sync}"
     )
+    trainer = TrainerGroup(trainers, calls, _names_of("trainer", rc.trainer_workers))
     return RayParts(
-        load_tokenizer(model_dir),
-        bf16_bytes,
-        engine,
-        TrainerGroup(trainers, calls, t_names),
-        str(model_dir),
-        cfg.verify_sync,
-        pg,
-        fp8_names,
-        layout,
-    )
+        load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
+        fp8_names, layout,
+    )  # fmt: skip
 
 
 def _init_collective_sync(calls: _Calls, sender: Any, receivers: list[Any], rc: RayConfig, fp8_names: list[str]) -> Any:
@@ -367,18 +391,6 @@ def _init_collective_sync(calls: _Calls, sender: Any, receivers: list[Any], rc: 
     joins += [r.init_sync_group.remote(init_method, i + 1, world) for i, r in enumerate(receivers)]
     calls.get(joins, "sync group")
     return calls.get(sender.sync_layout.remote(), "trainer-0.sync_layout")
-
-
-def _free_address() -> tuple[str, int]:
-    """This node's IP and a free TCP port on it (for the trainers' process group rendezvous)."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
 
 
 def ensure_ray(rc: RayConfig, num_actors: int) -> bool:

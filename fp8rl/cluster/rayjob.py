@@ -39,7 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from fp8rl.config import ConfigError
+from fp8rl.config import ConfigError, format_validation_errors
 
 API_VERSION = "ray.io/v1"
 KIND = "RayJob"
@@ -194,21 +194,13 @@ class RayJobTemplate(_Template):
         return self
 
 
-def _format_errors(e: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid RayJob template"]
-    for err in e.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        lines.append(f"  {loc or '(root)'}: {err['msg']}")
-    return "\n".join(lines)
-
-
 def parse_template(data: Any, source: str = "rayjob template") -> RayJobTemplate:
     """Validate already-loaded YAML; errors name ``source`` and the camelCase field."""
     try:
         # by_name=False: files are camelCase only, so a snake_case key is reported as unknown (pydantic >= 2.11).
         return RayJobTemplate.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(format_validation_errors(e, source, "RayJob template")) from None
 
 
 def load_template(path: str | Path) -> RayJobTemplate:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -39,6 +38,18 @@ from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 
 # gloo/NCCL collectives give up after this long rather than hang on a dead peer
 COLLECTIVE_TIMEOUT_S = 300
+
+
+def node_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port on it (a process-group rendezvous)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
 
 
 def _backend(device: torch.device) -> Literal["nccl", "gloo"]:
@@ -124,15 +135,8 @@ class TrainerWorker:
         )  # fmt: skip
 
     def free_address(self) -> tuple[str, int]:
-        """This node's IP and a free port: the rendezvous of the sync group this rank will lead."""
-        import socket
-
-        import ray
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        """The rendezvous of the sync group this rank will lead."""
+        return node_address()
 
     def sync_layout(self) -> SyncLayout:
         return self.collective.layout(self.trainer.hf_state_dict())
@@ -152,14 +156,9 @@ class TrainerWorker:
         self.trainer.load_state_dict(state)
 
     def save_policy(self, output_dir: str, tokenizer_dir: str) -> None:
-        from fp8rl.atomic import atomic_directory
         from fp8rl.models.loading import load_tokenizer
-        from fp8rl.models.tiny import pin_tokenizer_class
 
-        with atomic_directory(output_dir, overwrite=True) as tmp:
-            self.trainer.save(tmp)
-            load_tokenizer(tokenizer_dir).save_pretrained(tmp)
-            pin_tokenizer_class(Path(tmp))
+        self.trainer.save_checkpoint(output_dir, load_tokenizer(tokenizer_dir))
 
     def pid(self) -> int:
         return os.getpid()

@@ -48,6 +48,10 @@ class MetricsSink(Protocol):
         """Set searchable labels; unlike parameters they may be overwritten."""
         ...
 
+    def history(self, metric: str) -> list[tuple[int, float]]:
+        """``[(step, value), ...]`` the sink holds for ``metric`` (a resumed run reads back what it logged)."""
+        ...
+
     def close(self, status: RunStatus = "FINISHED") -> None:
         """End the run with ``status``; further calls are no-ops."""
         ...
@@ -159,6 +163,9 @@ class NullSink(ClosesOnExit):
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         pass
+
+    def history(self, metric: str) -> list[tuple[int, float]]:
+        return []
 
     def close(self, status: RunStatus = "FINISHED") -> None:
         pass

@@ -8,13 +8,11 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from fp8rl.atomic import atomic_directory
 from fp8rl.evaluation import evaluate
-from fp8rl.models.tiny import make_tiny_model, pin_tokenizer_class
+from fp8rl.models.tiny import make_tiny_model
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.tasks import ArithmeticTask
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
@@ -77,10 +75,7 @@ def sft_warmup(
                 f"sft step {step}/{opts.steps} loss {metrics['sft_loss']:.4f} ({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        trainer.save(tmp)
-        tok.save_pretrained(tmp)
-        pin_tokenizer_class(Path(tmp))
+    trainer.save_checkpoint(out_dir, tok, overwrite=overwrite)
     engine = TorchRolloutEngine(out_dir, "bf16", device=device)
     result = evaluate(engine, tok, opts.task.examples("test", opts.eval_examples))
     return {

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
@@ -222,3 +222,15 @@ class TorchTrainer:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save an HF checkpoint (bf16); FP8 linears are plain ``nn.Linear`` subclasses with the same names."""
         self.model.save_pretrained(path)
+
+    def save_checkpoint(
+        self, dst: str | os.PathLike[str], tokenizer: PreTrainedTokenizerBase, overwrite: bool = True
+    ) -> None:
+        """The policy and its tokenizer as one loadable HF directory, written atomically."""
+        from fp8rl.atomic import atomic_directory
+        from fp8rl.models.tiny import pin_tokenizer_class
+
+        with atomic_directory(dst, overwrite=overwrite) as tmp:
+            self.save(tmp)
+            tokenizer.save_pretrained(tmp)
+            pin_tokenizer_class(tmp)
