@@ -27,13 +27,17 @@ def rl_step(
     timeout_s: float = 86400.0,
 ) -> str:
     """``steps`` RL steps of ``recipe`` (``run_config``: further RunConfig fields) from ``model``; returns the
-    recipe's MLflow run id. ``backend``: ``local`` runs the loop in this process; ``rayjob`` runs
-    ``fp8rl train`` as a KubeRay RayJob (template ``rayjob_template``) and waits for it."""
+    recipe's MLflow run id. ``backend``: ``local`` runs the loop on Ray from this process -- a local Ray
+    it starts and stops, or the cluster ``$RAY_ADDRESS`` / ``run_config.ray.address`` names
+    (``run_config={"ray": null}``: in this process, without Ray); ``rayjob`` runs ``fp8rl train`` as a
+    KubeRay RayJob (template ``rayjob_template``) and waits for it."""
     from components.runtime import check_backend, kfp_tags, log_kfp_metrics, read_run_ref, run_metrics
     from components.runtime import run_config as make_config
 
     check_backend(backend)
     ref = read_run_ref(mlflow_run)
+    if backend == "local" and "ray" not in run_config:
+        run_config = {**run_config, "ray": {}}  # RayConfig's defaults: one trainer and one rollout worker
     cfg = make_config(recipe, steps, seed, run_config, ref)
     tags = kfp_tags(pipeline_name, kfp_run_id, "rl-step")
     if backend == "local":

@@ -424,6 +424,10 @@ def run_rl_on_ray(
     """``fp8rl.loop.run_rl`` on Ray actors (module docstring), replacing dead actors from checkpoints."""
     rc = cfg.ray or RayConfig()
     started = ensure_ray(rc, rc.trainer_workers + rc.rollout_workers)
+    where = "started a local Ray" if started else "using the running Ray"
+    log(
+        f"[{cfg.recipe.name}] {where}: {rc.trainer_workers} trainer and {rc.rollout_workers} rollout worker(s), {rc.layout} layout"
+    )
     can_resume = checkpoint_dir is not None and cfg.checkpoint_every > 0
     restarts = 0
     try:

@@ -55,9 +55,12 @@ def test_recipe_comparison_runs_locally(
     for child in children:
         assert child.data.tags["kfp.run_id"] == kfp_run_id and child.data.tags["kfp.component"] == "rl-step"
         assert {"summary/final_accuracy", "evaluate/accuracy", "bench/rollout_tokens_per_s"} <= set(child.data.metrics)
+        # the RL step ran on a local Ray (backend=local's default): one trainer and one rollout worker
+        assert child.data.params["ray.trainer_workers"] == "1" and child.data.params["ray.layout"] == "split"
         # back from MLflow to KFP: the run id finds the same runs
     by_tag = client.search_runs([exp.experiment_id], f"tags.`kfp.run_id` = '{kfp_run_id}'")
     assert len(by_tag) == 4
 
     logs = list((work / "kfp-local").glob("recipe-comparison-*.log"))
     assert len(logs) == 1 and "Got executor_input" in logs[0].read_text()
+    assert logs[0].read_text().count("started a local Ray") == 3  # one per RL step

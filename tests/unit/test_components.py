@@ -44,7 +44,14 @@ from fp8rl.models.loading import UnsupportedModelError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
-RUN_CONFIG = {"grpo": {"prompts_per_step": 2, "group_size": 2}, "eval_examples": 8, "eval_samples": 1, "eval_every": 1}
+# "ray": None keeps the RL step in the test's process; the default (local Ray) runs in tests/integration/test_pipeline_local.py
+RUN_CONFIG = {
+    "grpo": {"prompts_per_step": 2, "group_size": 2},
+    "eval_examples": 8,
+    "eval_samples": 1,
+    "eval_every": 1,
+    "ray": None,
+}
 KFP_RUN = "0f1e2d3c-kfp-run"
 
 
