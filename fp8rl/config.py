@@ -15,12 +15,15 @@ Recipes are YAML files validated by these models; an invalid value is a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fp8rl.errors import UserError
+
+if TYPE_CHECKING:
+    from fp8rl.quant import QuantSpec
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 BUILTIN_RECIPES = ("bf16", "fp8-rollout", "fp8-e2e")
@@ -44,6 +47,18 @@ class QuantConfig(_Strict):
     pow2_scales: bool = False
     bf16_first_layers: int = Field(0, ge=0)
     bf16_last_layers: int = Field(0, ge=0)
+
+    def spec(self) -> QuantSpec:
+        """These settings as the ``fp8rl.quant.QuantSpec`` the quantizers take (imports torch when called)."""
+        from fp8rl.quant import QuantSpec
+
+        return QuantSpec(
+            granularity=self.granularity,
+            fmt=self.fmt,
+            weight_block=self.weight_block,
+            act_block=self.act_block,
+            pow2_scales=self.pow2_scales,
+        )
 
 
 class NoCorrection(_Strict):
@@ -130,11 +145,37 @@ class Recipe(_Strict):
     train_precision: Literal["bf16", "fp8"]
     quant: QuantConfig = QuantConfig()
     correction: Correction = NoCorrection()
+    # training backend: torch (fp8rl's own FP8 linear, portable, exact on CPU) or te (TransformerEngine, GPU)
+    trainer: Literal["torch", "te"] = "torch"
+    # te only: auto maps granularity block -> Float8BlockScaling, tensor -> Float8CurrentScaling;
+    # delayed -> DelayedScaling (per tensor, amax history), for granularity tensor
+    te_recipe: Literal["auto", "delayed"] = "auto"
+    # KV cache of the rollout engine (vllm only): the model dtype, or FP8 with scales recalibrated every step
+    kv_cache: Literal["bf16", "fp8"] = "bf16"
 
     @model_validator(mode="after")
-    def _fp8_training_needs_fp8_rollout(self) -> Recipe:
+    def _consistent(self) -> Recipe:
         if self.train_precision == "fp8" and self.rollout_precision != "fp8":
             raise ValueError("train_precision 'fp8' requires rollout_precision 'fp8' (end-to-end FP8)")
+        q = self.quant
+        if self.trainer == "te" and self.train_precision == "fp8":
+            if q.granularity == "row":
+                raise ValueError(
+                    "trainer 'te' has no per-row FP8 recipe on Hopper (MXFP8 needs Blackwell); "
+                    "use quant.granularity 'block' or 'tensor', or trainer 'torch'"
+                )
+            if q.granularity == "block" and (tuple(q.weight_block) != (128, 128) or q.act_block != 128):
+                raise ValueError(
+                    "trainer 'te' block scaling is fixed at 128x128 weight tiles and 1x128 activation groups; "
+                    f"got quant.weight_block {list(q.weight_block)}, quant.act_block {q.act_block}"
+                )
+        if self.te_recipe == "delayed" and (self.trainer != "te" or q.granularity != "tensor"):
+            raise ValueError("te_recipe 'delayed' needs trainer 'te' and quant.granularity 'tensor'")
+        if self.te_recipe == "delayed" and q.pow2_scales:
+            raise ValueError(
+                "te_recipe 'delayed' (DelayedScaling) has no power-of-two scale option: set quant.pow2_scales "
+                "false, or te_recipe 'auto' (Float8CurrentScaling) for power-of-two per-tensor scales"
+            )
         return self
 
 
@@ -158,6 +199,22 @@ class RayConfig(_Strict):
     sync_bucket_mb: int = Field(256, ge=1)
 
 
+class RolloutConfig(_Strict):
+    """Which rollout engine serves generation, and the vLLM engine's settings."""
+
+    # torch: the built-in engine (embedded default, CPU); vllm: vLLM on a GPU (fp8rl.rollout.vllm_engine)
+    engine: Literal["torch", "vllm"] = "torch"
+    # vllm: the share of GPU memory the engine takes (weights + KV cache); the trainer needs the rest
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    # vllm: False captures CUDA graphs (slower start, faster decode)
+    enforce_eager: bool = False
+    # vllm: None takes the model's max_position_embeddings
+    max_model_len: int | None = Field(None, ge=1)
+    # vllm + kv_cache fp8: calibrated scale = amax * margin / 448, the amax a high quantile of |k|, |v|
+    kv_scale_margin: float = Field(1.1, ge=1.0)
+    kv_scale_quantile: float = Field(0.999, gt=0.0, le=1.0)
+
+
 class RunConfig(_Strict):
     """One RL run: a recipe plus everything else the loop needs."""
 
@@ -169,6 +226,7 @@ class RunConfig(_Strict):
     seed: int = 0
     grpo: GRPOConfig = GRPOConfig()
     sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
     optim: OptimConfig = OptimConfig()
     eval_every: int = Field(5, ge=1)
     eval_examples: int = Field(200, ge=1)
@@ -181,6 +239,14 @@ class RunConfig(_Strict):
     ray: RayConfig | None = None
     work_dir: str = "work"
     experiment: str = "fp8rl"
+
+    @model_validator(mode="after")
+    def _engine_supports_recipe(self) -> RunConfig:
+        if self.recipe.kv_cache == "fp8" and self.rollout.engine != "vllm":
+            raise ValueError(
+                "recipe.kv_cache 'fp8' needs rollout.engine 'vllm' (the torch engine keeps a bf16 KV cache)"
+            )
+        return self
 
 
 def format_validation_errors(e: ValidationError, source: str, what: str = "configuration") -> str:

@@ -30,7 +30,7 @@ from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import CorrectionConfig, PolicyLossConfig, grpo_advantages, mismatch_correction, mismatch_metrics
-from fp8rl.rollout.base import RolloutGenerator, SamplingParams
+from fp8rl.rollout.base import LocalEngine, RolloutGenerator, SamplingParams
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.run_state import (
     LoopState,
@@ -68,14 +68,7 @@ class RLResult:
 
 
 def quant_spec(cfg: RunConfig) -> QuantSpec:
-    q = cfg.recipe.quant
-    return QuantSpec(
-        granularity=q.granularity,
-        fmt=q.fmt,
-        weight_block=q.weight_block,
-        act_block=q.act_block,
-        pow2_scales=q.pow2_scales,
-    )
+    return cfg.recipe.quant.spec()
 
 
 def correction_config(cfg: RunConfig) -> CorrectionConfig:
@@ -112,6 +105,11 @@ class Parts(Protocol):
 
     def save_policy(self, output_dir: str | Path) -> None: ...
 
+    def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
+        """Recalibrate the engine's FP8 KV-cache scales from the trainer's policy on ``batch``; returns
+        ``kv/...`` metrics, ``{}`` when the recipe keeps a bf16 KV cache."""
+        ...
+
 
 class PolicyTrainer(Protocol):
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor: ...
@@ -137,7 +135,7 @@ class LocalParts:
     """Engine, trainer and in-process sync in this process (the embedded default)."""
 
     tok: PreTrainedTokenizerBase
-    engine: TorchRolloutEngine
+    engine: LocalEngine
     trainer: TorchTrainer
     sync: InProcessWeightSync
     bf16_bytes: int
@@ -148,12 +146,17 @@ class LocalParts:
     def save_policy(self, output_dir: str | Path) -> None:
         self.trainer.save_checkpoint(output_dir, self.tok)
 
+    def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
+        return self.engine.calibrate_kv(self.trainer.model, batch.input_ids, batch.attention_mask, batch.position_ids)
+
 
 def trainer_options(cfg: RunConfig) -> TrainerOptions:
     q, o = cfg.recipe.quant, cfg.optim
     return TrainerOptions(
         precision=cfg.recipe.train_precision,
         spec=quant_spec(cfg),
+        backend=cfg.recipe.trainer,
+        te_recipe=cfg.recipe.te_recipe,
         bf16_first_layers=q.bf16_first_layers,
         bf16_last_layers=q.bf16_last_layers,
         lr=o.lr,
@@ -167,16 +170,31 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
     )
 
 
-def build_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> TorchRolloutEngine:
+def build_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalEngine:
+    """The rollout engine ``cfg.rollout.engine`` names, serving the checkpoint at ``model_dir``."""
+    if cfg.rollout.engine == "vllm":
+        from fp8rl.rollout.vllm_engine import VLLMRolloutEngine  # vLLM is a GPU extra: imported only when asked for
+
+        return VLLMRolloutEngine.from_run_config(cfg, model_dir, device)
     q = cfg.recipe.quant
     return TorchRolloutEngine(
         model_dir, cfg.recipe.rollout_precision, quant_spec(cfg), q.bf16_first_layers, q.bf16_last_layers, device
     )
 
 
+def build_trainer(cfg: RunConfig, model_dir: str | Path, device: str) -> TorchTrainer:
+    """The training backend ``cfg.recipe.trainer`` names, initialised from ``model_dir``."""
+    opts = trainer_options(cfg)
+    if opts.backend == "te":
+        from fp8rl.train.te_trainer import TETrainer  # TransformerEngine is a GPU extra
+
+        return TETrainer(model_dir, opts, device=device)
+    return TorchTrainer(model_dir, opts, device=device)
+
+
 def build_parts(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalParts:
     engine = build_engine(cfg, model_dir, device)
-    trainer = TorchTrainer(model_dir, trainer_options(cfg), device=device)
+    trainer = build_trainer(cfg, model_dir, device)
     names = {m + ".weight" for m in engine.fp8_modules}
     sync = InProcessWeightSync(engine, names, quant_spec(cfg), verify=cfg.verify_sync)
     bf16_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
@@ -234,6 +252,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, loss_config(cfg), temperature)
     t3 = time.perf_counter()
     stats = parts.push_weights(step)
+    kv = parts.calibrate_kv(batch)  # FP8 KV cache: scales for the new weights, from the trainer's activations
     t4 = time.perf_counter()
     tokens = float(mask.sum())
     return {
@@ -243,6 +262,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         **{f"mismatch/{k}": v for k, v in mm.items()},
         **{f"correction/{k}": v for k, v in corr.items()},
         **{f"train/{k}": v for k, v in train_m.items()},
+        **kv,
         "sync/bytes": float(stats.bytes_sent),
         "sync/bytes_vs_bf16": stats.bytes_sent / parts.bf16_bytes,
         "sync/policy_version": float(engine.policy_version),
@@ -254,6 +274,17 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "throughput/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
         "throughput/train_tokens_per_s": tokens / max(t3 - t1, 1e-9),
     }
+
+
+# prompts the FP8 KV-cache scales are first calibrated on, before any rollout exists
+KV_CALIBRATION_PROMPTS = 64
+
+
+def prompt_batch(parts: Parts, examples: list[Example]) -> SequenceBatch:
+    """The examples' prompts alone as a trainer batch (no response tokens)."""
+    prompts = [parts.tok(e.prompt).input_ids for e in examples]
+    empty = torch.zeros((len(prompts), 0), dtype=torch.long)
+    return build_batch(prompts, empty, empty.float(), parts.engine.pad_token_id)
 
 
 def evaluate_heldout(cfg: RunConfig, parts: Parts, heldout: list[Example]) -> dict[str, float]:
@@ -307,7 +338,11 @@ def run_rl(
     train_pool, heldout = task_examples(cfg)
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None and cfg.checkpoint_every else None
     out = MetricsBuffer(sink, buffered=ckpt is not None)
+    kv_batch = prompt_batch(parts, train_pool[:KV_CALIBRATION_PROMPTS])
+    parts.calibrate_kv(kv_batch)  # FP8 KV cache: scales before the step-0 evaluation
     result, first = _start_or_resume(cfg, parts, heldout, rng, out, ckpt, log)
+    if first > 1:
+        parts.calibrate_kv(kv_batch)  # resumed: scales of the restored policy, not of the initial checkpoint
     for step in range(first, cfg.steps + 1):
         metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
         if step % cfg.eval_every == 0 or step == cfg.steps:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import RayConfig, RunConfig
+from fp8rl.config import ConfigError, RayConfig, RunConfig
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
@@ -223,6 +223,9 @@ class RayParts:
     # set when RayConfig.sync is "collective": what the broadcast carries, agreed once
     sync_layout: Any = None
 
+    def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
+        return {}  # create_ray_parts refuses kv_cache fp8, so the engines' KV cache is bf16
+
     def push_weights(self, version: int) -> SyncStats:
         if self.sync_layout is not None:
             return self._push_collective(version)
@@ -361,6 +364,11 @@ def _names_of(role: str, count: int) -> list[str]:
 def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str], None] = print) -> RayParts:
     """Place the actors, set up the trainers' process group, and check the engines start in sync."""
     rc = cfg.ray or RayConfig()
+    if cfg.recipe.kv_cache == "fp8":
+        raise ConfigError(
+            "recipe.kv_cache 'fp8' runs in the one-process loop only (ray: null): the Ray workers do not "
+            "recalibrate the KV-cache scales yet"
+        )
     calls = _Calls(rc.actor_timeout_s)
     where = _place(rc, calls)
     trainers, rollouts = _start_actors(cfg, model_dir, where, calls)

@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 
 from fp8rl.config import parse_run_config
-from fp8rl.loop import build_engine, quant_spec, trainer_options
+from fp8rl.loop import build_engine, build_trainer, quant_spec
 from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout
 from fp8rl.sync.nccl import NcclWeightSync, new_sync_group, receive_into
 from fp8rl.sync.wire import WirePayload, from_wire, to_wire
-from fp8rl.train.trainer import SequenceBatch, TorchTrainer
+from fp8rl.train.trainer import SequenceBatch
 
 # gloo/NCCL collectives give up after this long rather than hang on a dead peer
 COLLECTIVE_TIMEOUT_S = 300
@@ -85,7 +85,7 @@ class TrainerWorker:
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
-        self.trainer = TorchTrainer(model_dir, trainer_options(self.cfg), device=device)
+        self.trainer = build_trainer(self.cfg, model_dir, device)
         if world_size > 1:
             self.trainer.optimizer.grad_reducer = self._sum_across_ranks
         self.fp8_names: set[str] = set()

@@ -65,3 +65,30 @@ class RolloutEngine(RolloutGenerator, Protocol):
     def held_weights(self) -> dict[str, torch.Tensor | QuantizedTensor]:
         """What the engine holds now, for the bit-exact sync check."""
         ...
+
+
+class LocalEngine(RolloutEngine, Protocol):
+    """A rollout engine the loop builds (``fp8rl.loop.build_engine``): the torch engine or vLLM.
+
+    ``fp8_modules`` names the decoder linears it holds in FP8 (HF module names, the sync
+    requantizes exactly those); ``sleep``/``wake_up`` free and restore its device memory
+    for a trainer sharing the device.
+    """
+
+    fp8_modules: list[str]
+    eos_token_id: int
+    asleep: bool
+    device: torch.device
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def weight_bytes(self) -> int: ...
+
+    def calibrate_kv(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> dict[str, float]:
+        """Set FP8 KV-cache scales from ``model``'s activations on the batch; ``kv/...`` metrics, or
+        ``{}`` for an engine whose KV cache is not FP8."""
+        ...

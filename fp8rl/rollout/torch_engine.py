@@ -189,6 +189,12 @@ class TorchRolloutEngine:
             token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
+    def calibrate_kv(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> dict[str, float]:
+        """The KV cache here is bf16: nothing to calibrate (``kv_cache: fp8`` needs the vLLM engine)."""
+        return {}
+
     def weight_bytes(self) -> int:
         """Bytes of the weights the engine holds (FP8 linears count 1 byte per element plus scales)."""
         total = 0

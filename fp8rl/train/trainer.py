@@ -26,6 +26,8 @@ from fp8rl.train.optim import MasterWeightAdamW, lr_lambda
 class TrainerOptions:
     precision: str = "bf16"  # bf16 | fp8
     spec: QuantSpec = field(default_factory=QuantSpec)
+    backend: str = "torch"  # torch | te (fp8rl.train.te_trainer)
+    te_recipe: str = "auto"  # te: auto | delayed (fp8rl.config.Recipe.te_recipe)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
     lr: float = 2e-5
@@ -87,10 +89,7 @@ class TorchTrainer:
         self.model.train()
         self.device = torch.device(device)
         self.opts = opts
-        self.fp8_modules: list[str] = []
-        if opts.precision == "fp8":
-            self.fp8_modules = fp8_module_names(self.model, opts.bf16_first_layers, opts.bf16_last_layers)
-            swap_modules(self.model, self.fp8_modules, lambda _n, old: FP8TrainLinear.from_linear(old, opts.spec))  # type: ignore[arg-type]
+        self.fp8_modules: list[str] = self._convert_linears()
         self.optimizer = MasterWeightAdamW(
             list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
         )
@@ -100,13 +99,29 @@ class TorchTrainer:
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         self.step_count = 0
 
+    # ---- backend hooks (TETrainer overrides both) ------------------------------------------------------
+    def _convert_linears(self) -> list[str]:
+        """Swap the decoder linears the recipe puts in FP8 for ``FP8TrainLinear``; returns their names.
+
+        Called once in ``__init__``, after the model is loaded and before the optimizer takes
+        the parameters; a swap must keep the parameters' HF names.
+        """
+        if self.opts.precision != "fp8":
+            return []
+        names = fp8_module_names(self.model, self.opts.bf16_first_layers, self.opts.bf16_last_layers)
+        spec = self.opts.spec
+        swap_modules(self.model, names, lambda _n, old: FP8TrainLinear.from_linear(old, spec))  # type: ignore[arg-type]
+        return names
+
+    def _logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits ``[n, L, V]`` for ``ids [n, L]`` under training numerics (grad as the caller's)."""
+        return self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
     # ---- forward -------------------------------------------------------------------------------------
     def _response_logprobs(self, b: SequenceBatch, temperature: float) -> torch.Tensor:
         """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad)."""
         ids = b.input_ids.to(self.device)
-        logits = self.model(
-            input_ids=ids, attention_mask=b.attention_mask.to(self.device), position_ids=b.position_ids.to(self.device)
-        ).logits
+        logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
         t = ids.shape[1] - b.prompt_width
         pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + t, :].float()
         if temperature > 0:

@@ -43,3 +43,58 @@ def test_invalid_values_name_field_and_allowed_values(tmp_path: Path) -> None:
         parse_run_config({"recipe": load_recipe("bf16").model_dump(), "grpo": {"group_size": 1}})
     with pytest.raises(ConfigError, match="bogus: Extra inputs are not permitted"):
         parse_run_config({"recipe": load_recipe("bf16").model_dump(), "bogus": 1})
+
+
+E2E = {"name": "x", "rollout_precision": "fp8", "train_precision": "fp8"}
+
+
+def test_engine_and_backend_knobs_default_to_the_portable_path() -> None:
+    cfg = parse_run_config({"recipe": load_recipe("fp8-e2e").model_dump()})
+    assert (cfg.rollout.engine, cfg.recipe.trainer, cfg.recipe.kv_cache, cfg.recipe.te_recipe) == (
+        "torch",
+        "torch",
+        "bf16",
+        "auto",
+    )
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        ({**E2E, "trainer": "te", "quant": {"granularity": "row"}}, "trainer 'te' has no per-row FP8 recipe"),
+        ({**E2E, "trainer": "te", "quant": {"act_block": 64}}, r"fixed at 128x128 .* quant.act_block 64"),
+        ({**E2E, "trainer": "te", "quant": {"weight_block": [64, 128]}}, r"quant.weight_block \[64, 128\]"),
+        (
+            {**E2E, "trainer": "te", "te_recipe": "delayed"},
+            "te_recipe 'delayed' needs trainer 'te' and quant.granularity 'tensor'",
+        ),
+        ({**E2E, "te_recipe": "delayed", "quant": {"granularity": "tensor"}}, "te_recipe 'delayed' needs trainer 'te'"),
+        ({**E2E, "trainer": "cuda"}, r"trainer: Input should be 'torch' or 'te'"),
+        (
+            {**E2E, "trainer": "te", "te_recipe": "delayed", "quant": {"granularity": "tensor", "pow2_scales": True}},
+            r"te_recipe 'delayed' \(DelayedScaling\) has no power-of-two scale option: set quant.pow2_scales false",
+        ),
+    ],
+)
+def test_te_recipe_errors_name_the_field(recipe: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_recipe(recipe)
+
+
+def test_valid_te_recipes() -> None:
+    # bf16 training through TE modules needs no FP8 scaling, so any granularity is fine for its rollout side
+    assert parse_recipe({**E2E, "train_precision": "bf16", "trainer": "te", "quant": {"granularity": "row"}})
+    delayed = parse_recipe({**E2E, "trainer": "te", "te_recipe": "delayed", "quant": {"granularity": "tensor"}})
+    assert delayed.te_recipe == "delayed"
+
+
+def test_fp8_kv_cache_needs_the_vllm_engine() -> None:
+    recipe = {**E2E, "kv_cache": "fp8"}
+    with pytest.raises(ConfigError, match=r"kv_cache 'fp8' needs rollout.engine 'vllm'"):
+        parse_run_config({"recipe": recipe})
+    cfg = parse_run_config({"recipe": recipe, "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.3}})
+    assert (cfg.recipe.kv_cache, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization) == ("fp8", "vllm", 0.3)
+    with pytest.raises(ConfigError, match=r"rollout.engine: Input should be 'torch' or 'vllm'"):
+        parse_run_config({"recipe": E2E, "rollout": {"engine": "sglang"}})
+    with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization: Input should be less than or equal to 1"):
+        parse_run_config({"recipe": E2E, "rollout": {"gpu_memory_utilization": 1.5}})

@@ -1,0 +1,193 @@
+"""FP8 KV-cache scales from the trainer's activations, recalibrated after every weight update.
+
+vLLM stores K and V in float8_e4m3fn with one per-tensor scale per layer and, on
+FlashAttention 3, also quantizes Q with its own scale (``x_fp8 = x / scale``, max 448).
+The scales come from the trainer model (the policy the engine now serves) on a
+calibration batch -- the step's prompts and responses -- as NeMo RL does:
+
+    scale = quantile_p(|x|) * margin / 448        (p = rollout.kv_scale_quantile, e.g. 0.999)
+
+K and Q reach the cache after RoPE, but forward hooks see them before it (HF applies RoPE
+inside the attention forward, not in a module).  RoPE rotates the pairs (i, i + d/2) of a
+head (HF ``rotate_half``), so every post-RoPE component is bounded by the norm of its
+pair (and at most sqrt(2) above the pre-RoPE amax).  We therefore take the quantile over
+the pair norms ``sqrt(x_i^2 + x_{i+d/2}^2)``: a bound whatever the position, including
+positions longer than the batch's; the margin covers the drift of the activations until
+the next recalibration (one optimizer step later).
+V has no RoPE and uses |v| directly.  Models with q_norm/k_norm (Qwen3) are hooked after
+the norm, which is what RoPE then rotates.  The quantile is taken per micro-batch and the
+largest is kept (conservative, and no activations are held across micro-batches).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+FP8_E4M3_MAX = 448.0
+MIN_AMAX = 1e-6
+_HOOKED = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<kind>q_proj|k_proj|v_proj|q_norm|k_norm)$")
+_SAMPLE_LIMIT = 1 << 24  # torch.kthvalue on more elements than this is slow; sample evenly instead
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """One attention layer's FP8 scales (dequantization multipliers) and the amax they saw."""
+
+    q: float
+    k: float
+    v: float
+    k_amax: float = 0.0
+    v_amax: float = 0.0
+
+
+def scale_from_amax(amax: float, margin: float) -> float:
+    """``max(amax, 1e-6) * margin / 448``: the e4m3 scale that maps ``amax * margin`` to the largest FP8 value."""
+    return max(float(amax), MIN_AMAX) * margin / FP8_E4M3_MAX
+
+
+def rope_pair_norms(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``x [..., H * head_dim]`` (or ``[..., H, head_dim]``) -> the norms of RoPE's pairs ``[..., H, head_dim / 2]``."""
+    heads = x.reshape(*x.shape[:-1], -1, head_dim) if x.shape[-1] != head_dim else x
+    half = head_dim // 2
+    return torch.sqrt(heads[..., :half].float() ** 2 + heads[..., half:].float() ** 2)
+
+
+def high_quantile(values: torch.Tensor, q: float) -> float:
+    """The ``q`` quantile of ``values`` (k-th smallest, k = ceil(q * n)), on an even sample past 2^24 elements."""
+    flat = values.detach().float().flatten()
+    if flat.numel() == 0:
+        return 0.0
+    if flat.numel() > _SAMPLE_LIMIT:
+        flat = flat[:: math.ceil(flat.numel() / _SAMPLE_LIMIT)]
+    k = min(max(math.ceil(q * flat.numel()), 1), flat.numel())
+    return float(torch.kthvalue(flat.cpu(), k).values)
+
+
+class _Collector:
+    """Forward hooks on every layer's q/k/v projections (or q/k norms) recording per-micro-batch quantiles."""
+
+    def __init__(self, model: nn.Module, head_dim: int, quantile: float) -> None:
+        self.head_dim, self.quantile = head_dim, quantile
+        self.mask: torch.Tensor | None = None  # [B, T] bool, valid tokens of the current micro-batch
+        self.stats: dict[tuple[int, str], list[float]] = {}  # (layer, q|k|v) -> [quantile, amax]
+        targets: dict[tuple[int, str], tuple[str, nn.Module]] = {}
+        for name, module in model.named_modules():
+            m = _HOOKED.search(name)
+            if m is None:
+                continue
+            kind = m["kind"][0]  # q, k or v; a norm replaces its projection
+            key = (int(m["layer"]), kind)
+            if key not in targets or m["kind"].endswith("norm"):
+                targets[key] = (m["kind"], module)
+        if not targets:
+            raise ValueError("no attention q/k/v projections (layers.N.self_attn.{q,k,v}_proj) found in the model")
+        self.handles = [module.register_forward_hook(self._hook(key)) for key, (_, module) in targets.items()]
+
+    def _hook(self, key: tuple[int, str]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+            assert self.mask is not None
+            x = output[self.mask.to(output.device)]  # [tokens, ...] valid positions only
+            values = rope_pair_norms(x, self.head_dim) if key[1] in "qk" else x.float().abs()
+            stat = self.stats.setdefault(key, [0.0, 0.0])
+            stat[0] = max(stat[0], high_quantile(values, self.quantile))
+            stat[1] = max(stat[1], float(values.max()) if values.numel() else 0.0)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def calibrate_kv_scales(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    quantile: float = 0.999,
+    margin: float = 1.1,
+    max_tokens_per_forward: int = 16384,
+) -> dict[int, KVScales]:
+    """Per-layer FP8 scales for Q, K and V from a forward of ``model`` (an HF causal LM) over a batch.
+
+    ``input_ids``, ``attention_mask``, ``position_ids``: ``[N, L]`` (a ``SequenceBatch``'s
+    fields).  Only the decoder runs (no lm_head: logits of a large vocabulary would not fit).
+    Returns ``{layer index: KVScales}``.
+    """
+    cfg: Any = getattr(model, "config")  # noqa: B009 -- an HF model's config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder: Any = get_decoder() if callable(get_decoder) else model
+    device = next(model.parameters()).device
+    collector = _Collector(model, head_dim, quantile)
+    rows = max(1, max_tokens_per_forward // max(1, input_ids.shape[1]))
+    try:
+        for start in range(0, input_ids.shape[0], rows):
+            s = slice(start, start + rows)
+            collector.mask = attention_mask[s].bool()
+            decoder(
+                input_ids=input_ids[s].to(device),
+                attention_mask=attention_mask[s].to(device),
+                position_ids=position_ids[s].to(device),
+                use_cache=False,
+            )
+    finally:
+        collector.remove()
+    out = {}
+    for layer in sorted({layer for layer, _ in collector.stats}):
+        q, k, v = (collector.stats.get((layer, kind), [0.0, 0.0]) for kind in "qkv")
+        out[layer] = KVScales(
+            q=scale_from_amax(q[0], margin),
+            k=scale_from_amax(k[0], margin),
+            v=scale_from_amax(v[0], margin),
+            k_amax=k[1],
+            v_amax=v[1],
+        )
+    return out
+
+
+def kv_scale_metrics(scales: dict[int, KVScales], seconds: float | None = None) -> dict[str, float]:
+    """``kv/{q,k,v}_scale_{mean,min,max}`` and ``kv/{k,v}_clip_ratio_max``: the largest amax over the
+    FP8 range (``amax / (448 * scale)``; above 1 means the quantile left outliers to be clipped)."""
+    out: dict[str, float] = {}
+    for kind in "qkv":
+        vals = [getattr(s, kind) for s in scales.values()]
+        if vals:
+            out[f"kv/{kind}_scale_mean"] = sum(vals) / len(vals)
+            out[f"kv/{kind}_scale_min"] = min(vals)
+            out[f"kv/{kind}_scale_max"] = max(vals)
+    for kind in "kv":
+        ratios = [getattr(s, f"{kind}_amax") / (FP8_E4M3_MAX * getattr(s, kind)) for s in scales.values()]
+        if ratios:
+            out[f"kv/{kind}_clip_ratio_max"] = max(ratios)
+    if seconds is not None:
+        out["kv/calibration_s"] = seconds
+    return out
+
+
+def timed_calibration(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    quantile: float,
+    margin: float,
+) -> tuple[dict[int, KVScales], float]:
+    """``calibrate_kv_scales`` and its wall time in seconds (the model is put in eval mode meanwhile)."""
+    t0 = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        scales = calibrate_kv_scales(model, input_ids, attention_mask, position_ids, quantile, margin)
+    finally:
+        model.train(was_training)
+    return scales, time.perf_counter() - t0

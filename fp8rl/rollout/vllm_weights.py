@@ -1,0 +1,300 @@
+"""What the vLLM engine serves and how its weights are named: checkpoints and HF <-> vLLM names.  Pure.
+
+Checkpoints.  FP8 recipes serve a block-FP8 checkpoint (``weight`` float8_e4m3fn [out, in]
+and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)]: DeepSeek style,
+``fp8rl.quant``'s ``block`` granularity).  ``serving_checkpoint`` takes an fp8rl FP8
+checkpoint as it is (after checking it was made with the recipe's options) or converts a
+BF16 one with ``fp8rl.checkpoint.convert_checkpoint`` into the work dir, once per source
+and recipe; the ``bf16`` recipe serves the BF16 checkpoint.
+
+Names.  vLLM fuses q/k/v into ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``
+(rows stacked in that order, dim 0) and pads the vocabulary rows of the embedding and
+lm_head.  ``fused_layout`` says where each HF module's rows sit; ``unfuse_params`` reads
+vLLM's parameters back under HF names (views, for the bit-exact sync check), and
+``order_by_fused_module`` groups a reload payload so the parts of a fused module arrive together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl.atomic import OutputExistsError
+from fp8rl.checkpoint.formats import read_granularity
+from fp8rl.config import Recipe
+from fp8rl.errors import UserError
+from fp8rl.models.layers import DECODER_LINEAR_SUFFIXES, kept_layers
+from fp8rl.models.loading import read_model_config
+from fp8rl.quant import QuantizedTensor, get_format
+from fp8rl.rollout.vllm_patches import VLLMPatchError
+
+FP8_BLOCK = (128, 128)
+# vLLM module -> the HF modules fused into it, in vLLM's row order
+FUSED_MODULES = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")  # vLLM pads their rows to a multiple of 64
+
+Weights = dict[str, torch.Tensor | QuantizedTensor]
+
+
+# ---- configuration and checkpoints (pure) ------------------------------------------------------------
+def check_recipe_supported(recipe: Recipe) -> None:
+    """vLLM serves the ``block`` recipe with 128x128 weight tiles and 1x128 activation groups (and bf16)."""
+    if recipe.rollout_precision != "fp8":
+        return
+    q = recipe.quant
+    if q.granularity != "block":
+        raise UserError(
+            f"rollout.engine 'vllm' serves FP8 as block scaling only; recipe {recipe.name!r} has "
+            f"recipe.quant.granularity {q.granularity!r} (use 'block', or rollout.engine 'torch')"
+        )
+    if tuple(q.weight_block) != FP8_BLOCK or q.act_block != FP8_BLOCK[1]:
+        raise UserError(
+            "rollout.engine 'vllm' runs block FP8 with 128x128 weight tiles and 1x128 activation groups; "
+            f"recipe.quant.weight_block is {list(q.weight_block)}, recipe.quant.act_block {q.act_block}"
+        )
+
+
+def model_dims(model_config: Mapping[str, Any]) -> dict[str, int]:
+    """Row counts of the decoder linears from an HF config: q, kv (each of k and v), inter, hidden, layers."""
+    hidden, heads = int(model_config["hidden_size"]), int(model_config["num_attention_heads"])
+    head_dim = int(model_config.get("head_dim") or hidden // heads)
+    kv_heads = int(model_config.get("num_key_value_heads") or heads)
+    return {
+        "q": heads * head_dim,
+        "kv": kv_heads * head_dim,
+        "inter": int(model_config["intermediate_size"]),
+        "hidden": hidden,
+        "layers": int(model_config["num_hidden_layers"]),
+        "vocab": int(model_config["vocab_size"]),
+    }
+
+
+def check_block_shapes(model_config: Mapping[str, Any], source: str) -> None:
+    """vLLM's block-FP8 loader needs every fused part and every input width to hold whole 128-wide tiles."""
+    d = model_dims(model_config)
+    bad = {k: d[k] for k in ("q", "kv", "inter", "hidden") if d[k] % FP8_BLOCK[0]}
+    if bad:
+        raise UserError(
+            f"{source}: vLLM serves block FP8 only when q/k/v/gate/up rows and input widths are multiples of "
+            f"128; this model has {bad} (use rollout.engine 'torch' for it)"
+        )
+
+
+def fp8_module_names_from_config(model_config: Mapping[str, Any], recipe: Recipe) -> list[str]:
+    """HF names of the decoder linears the engine holds in FP8 (none for a bf16 rollout)."""
+    if recipe.rollout_precision != "fp8":
+        return []
+    n = int(model_config["num_hidden_layers"])
+    kept = kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
+    return [f"model.layers.{i}.{s}" for i in range(n) if i not in kept for s in DECODER_LINEAR_SUFFIXES]
+
+
+def expected_ignored_layers(model_config: Mapping[str, Any], recipe: Recipe) -> set[str]:
+    """The modules an FP8 checkpoint for ``recipe`` keeps in BF16 (``fp8rl convert``'s list)."""
+    n = int(model_config["num_hidden_layers"])
+    kept = kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
+    return {"lm_head", *(f"model.layers.{i}.{s}" for i in sorted(kept) for s in DECODER_LINEAR_SUFFIXES)}
+
+
+def check_fp8_checkpoint(model_dir: Path, model_config: Mapping[str, Any], recipe: Recipe) -> None:
+    """An existing FP8 checkpoint must have been made with the recipe's granularity and BF16 layers."""
+    qcfg = model_config["quantization_config"]
+    try:
+        granularity, block = read_granularity(qcfg)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{model_dir / 'config.json'}: quantization_config is not an fp8rl layout: {e}") from None
+    if granularity != "block" or block != tuple(recipe.quant.weight_block):
+        raise UserError(
+            f"{model_dir}: checkpoint is FP8 {granularity} {list(block)}, but recipe {recipe.name!r} asks for "
+            f"recipe.quant.granularity 'block' {list(recipe.quant.weight_block)}; pass the BF16 checkpoint instead"
+        )
+    ignored = set(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
+    expected = expected_ignored_layers(model_config, recipe)
+    if ignored != expected:
+        q = recipe.quant
+        raise UserError(
+            f"{model_dir}: the checkpoint keeps {sorted(ignored - {'lm_head'})} in BF16, but "
+            f"recipe.quant.bf16_first_layers {q.bf16_first_layers} / bf16_last_layers {q.bf16_last_layers} "
+            f"ask for {sorted(expected - {'lm_head'})}; convert the BF16 checkpoint with the recipe's options"
+        )
+
+
+def conversion_key(model_dir: Path, recipe: Recipe) -> str:
+    """A cache key for the converted checkpoint: source path, weight files' sizes and mtimes, recipe options."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json"))
+    meta = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    blob = json.dumps([str(model_dir.resolve()), meta, recipe.quant.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def serving_checkpoint(model_dir: str | os.PathLike[str], recipe: Recipe, work_dir: str | os.PathLike[str]) -> Path:
+    """The directory vLLM loads for ``recipe``: the BF16 checkpoint, an FP8 checkpoint given as is
+    (checked against the recipe), or ``<work_dir>/vllm-checkpoints/<name>-fp8-<key>`` converted from BF16."""
+    src = Path(model_dir)
+    cfg = read_model_config(src)
+    quantized = "quantization_config" in cfg
+    if recipe.rollout_precision != "fp8":
+        if quantized:
+            raise UserError(
+                f"{src}: recipe {recipe.name!r} rolls out in bf16 but the checkpoint is quantized "
+                f"({cfg['quantization_config'].get('quant_method')!r}); pass the BF16 checkpoint"
+            )
+        return src
+    check_recipe_supported(recipe)
+    check_block_shapes(cfg, str(src))
+    if quantized:
+        check_fp8_checkpoint(src, cfg, recipe)
+        return src
+    dst = Path(work_dir) / "vllm-checkpoints" / f"{src.name}-fp8-{conversion_key(src, recipe)}"
+    if not (dst / "config.json").is_file():
+        from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
+
+        q = recipe.quant
+        block = (int(q.weight_block[0]), int(q.weight_block[1]))
+        opts = ConvertOptions("block", q.pow2_scales, q.bf16_first_layers, q.bf16_last_layers, block)
+        try:
+            convert_checkpoint(src, dst, opts, show_progress=False)
+        except (OutputExistsError, OSError):
+            if not (dst / "config.json").is_file():  # not another worker that finished first
+                raise
+    return dst
+
+
+# ---- weight naming: HF names <-> vLLM's fused parameters (pure) ---------------------------------------
+@dataclass(frozen=True)
+class FusedSlice:
+    """HF module ``rows`` rows starting at ``start`` of the vLLM module ``target`` (dim 0)."""
+
+    target: str
+    start: int
+    rows: int
+
+
+def fused_layout(model_config: Mapping[str, Any]) -> dict[str, FusedSlice]:
+    """HF module name -> its rows in vLLM's ``qkv_proj`` / ``gate_up_proj`` (q, k, v; gate, up)."""
+    d = model_dims(model_config)
+    sizes = {"self_attn.qkv_proj": (d["q"], d["kv"], d["kv"]), "mlp.gate_up_proj": (d["inter"], d["inter"])}
+    out = {}
+    for i in range(d["layers"]):
+        for fused, parts in FUSED_MODULES.items():
+            start = 0
+            for part, rows in zip(parts, sizes[fused], strict=True):
+                out[f"model.layers.{i}.{part}"] = FusedSlice(f"model.layers.{i}.{fused}", start, rows)
+                start += rows
+    return out
+
+
+def split_param(name: str) -> tuple[str, str]:
+    """``model.layers.0.mlp.up_proj.weight_scale_inv`` -> (``model.layers.0.mlp.up_proj``, ``weight_scale_inv``)."""
+    module, _, suffix = name.rpartition(".")
+    return module, suffix
+
+
+def _rows(tensor: torch.Tensor, suffix: str, s: FusedSlice) -> torch.Tensor:
+    if suffix == "weight_scale_inv":
+        b = FP8_BLOCK[0]
+        return tensor[s.start // b : -(-(s.start + s.rows) // b)]
+    return tensor[s.start : s.start + s.rows]
+
+
+def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, FusedSlice], vocab_size: int) -> Weights:
+    """vLLM's parameters -> HF names; FP8 weights with their ``weight_scale_inv`` as ``QuantizedTensor``.
+
+    Returns views of ``params`` (no copies).  Vocabulary rows vLLM pads are cut to ``vocab_size``.
+    """
+    by_target: dict[str, list[tuple[str, FusedSlice]]] = {}
+    for hf_module, s in layout.items():
+        by_target.setdefault(s.target, []).append((hf_module, s))
+    flat: dict[str, torch.Tensor] = {}
+    for name, tensor in params.items():
+        module, suffix = split_param(name)
+        if module in by_target:
+            for hf_module, s in by_target[module]:
+                flat[f"{hf_module}.{suffix}"] = _rows(tensor, suffix, s)
+        else:
+            flat[name] = tensor[:vocab_size] if name in VOCAB_PARAMS else tensor
+    out: Weights = {}
+    fmt = get_format("e4m3")
+    for name, tensor in flat.items():
+        module, suffix = split_param(name)
+        if suffix == "weight_scale_inv":
+            continue
+        if suffix == "weight" and tensor.dtype == torch.float8_e4m3fn:
+            scale = flat.get(f"{module}.weight_scale_inv")
+            if scale is None:
+                raise VLLMPatchError(f"{name} is FP8 but vLLM holds no {module}.weight_scale_inv")
+            out[name] = QuantizedTensor(tensor, scale, "block", fmt, FP8_BLOCK)
+        else:
+            out[name] = tensor
+    return out
+
+
+def checkpoint_items(weights: Mapping[str, torch.Tensor | QuantizedTensor]) -> list[tuple[str, torch.Tensor]]:
+    """HF-named weights as the (name, tensor) pairs of a block-FP8 checkpoint (``.weight_scale_inv`` beside FP8)."""
+    items = []
+    for name, value in weights.items():
+        if isinstance(value, QuantizedTensor):
+            module, _ = split_param(name)
+            items += [(name, value.data), (f"{module}.weight_scale_inv", value.scale_inv)]
+        else:
+            items.append((name, value))
+    return items
+
+
+def order_by_fused_module(
+    names: Iterable[str], layout: Mapping[str, FusedSlice]
+) -> tuple[list[str], dict[str, list[str]]]:
+    """``names`` grouped so the parts of one fused module are adjacent (vLLM processes a layer once all
+    its parts arrived); also the fused modules touched -> their HF parts missing from ``names``."""
+    groups: dict[str, list[str]] = {}
+    present: dict[str, set[str]] = {}
+    for name in names:
+        module, _ = split_param(name)
+        s = layout.get(module)
+        key = s.target if s is not None else name
+        groups.setdefault(key, []).append(name)
+        if s is not None:
+            present.setdefault(s.target, set()).add(module)
+    missing = {}
+    for target, have in present.items():
+        parts = [m for m, s in layout.items() if s.target == target]
+        lack = [m for m in parts if m not in have]
+        if lack:
+            missing[target] = lack
+    return [n for group in groups.values() for n in group], missing
+
+
+def reload_items(
+    payload: Mapping[str, torch.Tensor | QuantizedTensor],
+    held: Mapping[str, torch.Tensor | QuantizedTensor],
+    layout: Mapping[str, FusedSlice],
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs to hand vLLM's ``reload_weights`` for ``payload`` (HF names, all or a subset).
+
+    The parts of each fused module come side by side; the parts a partial payload lacks are
+    taken from ``held`` (what vLLM holds now, under HF names) as copies, since the reload
+    writes into the very tensors ``held`` views.
+    """
+    full: dict[str, torch.Tensor | QuantizedTensor] = dict(payload)
+    _, missing = order_by_fused_module(payload, layout)
+    lacking = {module for parts in missing.values() for module in parts}
+    for name, value in held.items():
+        if split_param(name)[0] in lacking:
+            full[name] = (
+                dataclasses.replace(value, data=value.data.clone(), scale_inv=value.scale_inv.clone())
+                if isinstance(value, QuantizedTensor)
+                else value.clone()
+            )
+    names, _ = order_by_fused_module(full, layout)
+    return checkpoint_items({n: full[n] for n in names})

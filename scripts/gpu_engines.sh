@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The production engines on the lent GPU machine (offline; each command at most 10 minutes; /tmp lasts while the
+# machine stays warm, about 30 s between commands). vLLM 0.26.0 travels in two parts and TransformerEngine 2.20.2
+# in one (../shared/device/{vllm,te}/pack.sh make .carry/vllm1, .carry/vllm2, .carry/te). One step per device call,
+# issued back to back:
+#   bash scripts/gpu_engines.sh te-setup .carry/te        unpack TE, start its torch-extension build (background)
+#   bash scripts/gpu_engines.sh vllm-part .carry/vllm1    the first half of vLLM
+#   bash scripts/gpu_engines.sh vllm .carry/vllm2         the second half; GPU tests of the vLLM engine; gpu_vllm.py
+#   bash scripts/gpu_engines.sh te                        the TE extension in place; GPU tests of TE; gpu_te.py
+#   bash scripts/gpu_engines.sh bench                     throughput: gpu_vllm.py and gpu_te.py --section throughput
+#   bash scripts/gpu_engines.sh poll                      wait for the work in flight (another up to 9 minutes)
+# The work of vllm/te/bench runs detached (setsid) with its results in /tmp/res; every step waits for it up to
+# WAIT_S (540 s) and copies /tmp/res to $OUT, so a step that outlasts one command is finished by `poll`.
+# Results: $OUT/gpu_vllm*.json, $OUT/gpu_te*.json and the logs beside them.
+set -uo pipefail
+step=${1:?step}; carry=${2:-}
+OUT=${OUT:-.}
+SP=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+# TE and torch must agree on cuDNN: the wheel's 9.19, not the image's 9.14 in /usr/lib (../shared/device/te/README.md)
+export CUDNN_HOME=$SP/nvidia/cudnn LD_LIBRARY_PATH=$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# flashinfer is not brought; DeepGEMM would JIT ~1,700 kernels (~28 min) for a block-FP8 model
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+
+# pydantic (fp8rl.config) comes with both carries: vLLM's dependency wheels and TE's site tree
+RES=/tmp/res; mkdir -p $RES
+
+detach() {  # run "$@" detached, logging to $RES/$1.log; one job at a time
+  local name=$1; shift
+  rm -f $RES/$name.done $RES/$name.log
+  echo "started $name"
+  setsid nohup bash -c "{ $*; } > $RES/$name.log 2>&1; echo \"EXIT \$?\" >> $RES/$name.log; touch $RES/$name.done" \
+    > /dev/null 2>&1 < /dev/null &
+  echo "$name" > $RES/current
+}
+
+wait_current() {  # until the current job ends or WAIT_S passes; then copy the results out
+  local name; name=$(cat $RES/current 2>/dev/null) || { echo "no job"; return 0; }
+  local t0=$(date +%s) seen=0
+  while [ ! -e $RES/$name.done ] && [ $(( $(date +%s) - t0 )) -lt ${WAIT_S:-540} ]; do
+    sleep 5
+    local n; n=$(wc -l < $RES/$name.log 2>/dev/null || echo 0)
+    [ "$n" -gt "$seen" ] && { sed -n "$((seen + 1)),${n}p" $RES/$name.log | cut -c1-300; seen=$n; }
+  done
+  cp -f $RES/*.json $RES/*.log "$OUT"/ 2>/dev/null
+  if [ -e $RES/$name.done ]; then echo "JOB $name DONE: $(tail -n 1 $RES/$name.log)"; else echo "JOB $name STILL RUNNING: poll"; fi
+}
+
+te_extension() {  # wait for the background build of transformer_engine_torch, then put it in place
+  local W=transformer_engine/wheel_lib
+  ls /tmp/site/$W/transformer_engine_torch*.so >/dev/null 2>&1 && return 0
+  for _ in $(seq 1 120); do grep -q BUILD_SECONDS /tmp/build_te.log 2>/dev/null && break; sleep 2; done
+  tail -n 2 /tmp/build_te.log
+  cp /tmp/site_dev/$W/transformer_engine_torch*.so /tmp/site/$W/ && cp -r /tmp/site_dev/transformer_engine_torch-*.dist-info /tmp/site/
+}
+
+case $step in
+  te-setup)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    bash "$carry/device_setup.sh" "$carry" ;;
+  vllm-part)
+    bash "$carry/device_setup.sh" "$carry" ;;
+  vllm)
+    [ -z "$carry" ] || bash "$carry/device_setup.sh" "$carry" || exit $?
+    detach vllm "python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_vllm_engine.py; OUT=$RES python3 scripts/gpu_vllm.py"
+    wait_current ;;
+  te)
+    te_extension || exit 6
+    python3 -c "import transformer_engine.pytorch as te, transformer_engine; print('TE', transformer_engine.__version__)" || exit 7
+    detach te "python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_te_trainer.py; OUT=$RES python3 scripts/gpu_te.py ${TE_ARGS:-}"
+    wait_current ;;
+  bench)
+    # one process per variant: an engine closed in-process does not give all its memory back (vLLM 0.26)
+    detach bench "for v in ${VARIANTS:-bf16 fp8 fp8-kv}; do OUT=$RES python3 scripts/gpu_vllm.py --section throughput --variants \$v; done"
+    wait_current ;;
+  poll)
+    wait_current ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac

@@ -1,0 +1,153 @@
+"""The vLLM engine on a GPU: generation, in-place reloads (bit-exact, equal to a fresh engine), sleep, FP8 KV.
+
+Each test starts its own eager engine on a tiny model and shuts it down (one vLLM engine per
+process at a time); skipped without vLLM or CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from fp8rl.config import RolloutConfig, load_recipe  # noqa: E402
+from fp8rl.models.loading import load_causal_lm  # noqa: E402
+from fp8rl.quant import QuantSpec  # noqa: E402
+from fp8rl.rollout import SamplingParams  # noqa: E402
+from fp8rl.sync import requantize_for_rollout, verify_engine_weights  # noqa: E402
+from fp8rl.train.trainer import build_batch  # noqa: E402
+
+PROMPTS = [[5, 6, 76, 7, 84], [8, 76, 9, 84], [5, 5, 76, 5, 5, 84], [9, 9, 76, 8, 84]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+ROLLOUT = RolloutConfig(engine="vllm", gpu_memory_utilization=0.05, enforce_eager=True, max_model_len=512)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm() -> None:
+    pytest.importorskip("vllm")
+
+
+@contextmanager
+def engine(model_dir: Path, work: Path, recipe: str = "fp8-rollout", **kw: Any) -> Iterator[Any]:
+    from fp8rl.rollout.vllm_engine import VLLMRolloutEngine
+
+    e = VLLMRolloutEngine(model_dir, kw.pop("recipe_obj", None) or load_recipe(recipe), ROLLOUT, work_dir=work, **kw)
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+def _perturbed(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    model = load_causal_lm(model_dir, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {
+        n: (p.detach() + 0.02 * torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype)).contiguous()
+        for n, p in model.named_parameters()
+    }
+
+
+def test_generate_shapes_and_logprobs(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    with engine(tiny_models["small"], tmp_path) as e:
+        r = e.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=12, seed=3))
+        assert r.response_ids.shape == r.logprobs.shape == r.response_mask.shape
+        assert r.response_ids.shape[0] == len(PROMPTS) and r.response_ids.shape[1] <= 12
+        lp = r.logprobs[r.response_mask.bool()]
+        assert bool((lp <= 0).all()) and bool((lp > -30).all())
+        assert bool((r.logprobs[~r.response_mask.bool()] == 0).all())
+        again = e.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=12, seed=3))
+        assert torch.equal(again.response_ids, r.response_ids)  # per-request seeds: reproducible
+        assert e.policy_version == r.policy_version == 0
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout"])
+def test_load_weights_is_bit_exact_including_partial_payloads(
+    tiny_models: dict[str, Path], tmp_path: Path, recipe: str
+) -> None:
+    with engine(tiny_models["small"], tmp_path, recipe) as e:
+        names = {m + ".weight" for m in e.fp8_modules}
+        payload = requantize_for_rollout(_perturbed(tiny_models["small"], 1), names, QuantSpec())
+        e.load_weights(payload, version=1)
+        verify_engine_weights(e, payload, 1)
+        # a bucket holding only the k projections of the fused qkv (as fp8rl.sync.nccl may send)
+        payload2 = requantize_for_rollout(_perturbed(tiny_models["small"], 2), names, QuantSpec())
+        part = {n: v for n, v in payload2.items() if ".k_proj." in n}
+        e.load_weights(part, version=2)
+        verify_engine_weights(e, {**payload, **part}, 2)
+
+
+def test_reloads_equal_a_fresh_engine(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    with engine(tiny_models["small"], tmp_path / "a") as e:
+        names = {m + ".weight" for m in e.fp8_modules}
+        for step in range(1, 6):
+            weights = _perturbed(tiny_models["small"], step)
+            e.load_weights(requantize_for_rollout(weights, names, QuantSpec()), step)
+        reloaded = e.generate(PROMPTS, GREEDY)
+    model = load_causal_lm(tiny_models["small"], dtype=torch.bfloat16)
+    model.load_state_dict({k: v.cpu() for k, v in weights.items()}, strict=False)
+    model.save_pretrained(tmp_path / "final")
+    (tmp_path / "final" / "generation_config.json").unlink(missing_ok=True)
+    with engine(tmp_path / "final", tmp_path / "b") as fresh:
+        expected = fresh.generate(PROMPTS, GREEDY)
+    assert torch.equal(reloaded.response_ids, expected.response_ids)
+    torch.testing.assert_close(reloaded.logprobs, expected.logprobs, rtol=0, atol=0)
+
+
+def test_sleep_frees_memory_and_keeps_outputs(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    with engine(tiny_models["small"], tmp_path, sleep_mode=True) as e:
+        before = e.generate(PROMPTS, GREEDY)
+        free0 = torch.cuda.mem_get_info()[0]
+        e.sleep()
+        freed = torch.cuda.mem_get_info()[0] - free0
+        with pytest.raises(RuntimeError, match="asleep"):
+            e.generate(PROMPTS, GREEDY)
+        e.wake_up()
+        after = e.generate(PROMPTS, GREEDY)
+    assert freed > 0.5 * ROLLOUT.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
+    assert torch.equal(before.response_ids, after.response_ids)
+
+
+def test_fp8_kv_cache_calibrates_and_generates(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    from fp8rl.rollout import vllm_patches
+
+    recipe = load_recipe("fp8-rollout").model_copy(update={"kv_cache": "fp8"})
+    trainer_model = load_causal_lm(tiny_models["small"], dtype=torch.bfloat16, device="cuda")
+    with engine(tiny_models["small"], tmp_path, recipe_obj=recipe) as e:
+        r = e.generate(PROMPTS, GREEDY)
+        batch = build_batch(r.prompt_ids, r.response_ids, r.response_mask, e.pad_token_id)
+        metrics = e.calibrate_kv(trainer_model, batch.input_ids, batch.attention_mask, batch.position_ids)
+        assert metrics["kv/k_scale_mean"] > 0 and metrics["kv/v_scale_max"] > 0
+        held = vllm_patches.read_kv_scales(vllm_patches.engine_model(e.llm))
+        assert held[0] == pytest.approx((e.kv_scales[0].q, e.kv_scales[0].k, e.kv_scales[0].v))
+        calibrated = e.generate(PROMPTS, GREEDY)
+        assert calibrated.num_tokens > 0
+
+
+def test_rl_loop_with_fp8_kv_cache_recalibrates_every_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The one-process loop on vLLM with ``kv_cache: fp8``: the KV scales are recalibrated after every sync."""
+    from fp8rl.config import parse_run_config
+    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.tracking import MemorySink
+
+    recipe = load_recipe("fp8-e2e").model_copy(update={"kv_cache": "fp8"})
+    cfg = parse_run_config({
+        "recipe": recipe, "steps": 2, "eval_every": 2, "eval_examples": 8, "eval_samples": 0,
+        "grpo": {"group_size": 4, "prompts_per_step": 4}, "rollout": ROLLOUT, "work_dir": str(tmp_path),
+    })  # fmt: skip
+    parts = build_parts(cfg, tiny_models["small"], "cuda")
+    try:
+        result = run_rl(cfg, tiny_models["small"], MemorySink(), log=lambda _s: None, device="cuda", parts=parts)
+    finally:
+        parts.engine.close()  # type: ignore[attr-defined]
+    for step, metrics in enumerate(result.history, start=1):
+        assert metrics["kv/calibration_s"] > 0 and 0 < metrics["kv/k_scale_min"] <= metrics["kv/k_scale_max"]
+        assert metrics["sync/policy_version"] == step
