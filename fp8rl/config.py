@@ -246,7 +246,36 @@ class RunConfig(_Strict):
             raise ValueError(
                 "recipe.kv_cache 'fp8' needs rollout.engine 'vllm' (the torch engine keeps a bf16 KV cache)"
             )
+        if self.recipe.kv_cache == "fp8" and self.ray is not None:
+            raise ValueError(KV_FP8_ON_RAY)
+        problem = vllm_recipe_problem(self.recipe) if self.rollout.engine == "vllm" else None
+        if problem:
+            raise ValueError(problem)
         return self
+
+
+KV_FP8_ON_RAY = (
+    "recipe.kv_cache 'fp8' runs in the one-process loop only (ray: null): the Ray workers do not "
+    "recalibrate the KV-cache scales yet"
+)
+
+
+def vllm_recipe_problem(recipe: Recipe) -> str | None:
+    """Why vLLM cannot serve ``recipe`` (it serves bf16, and FP8 as 128x128 / 1x128 block scaling), or None."""
+    if recipe.rollout_precision != "fp8":
+        return None
+    q = recipe.quant
+    if q.granularity != "block":
+        return (
+            f"rollout.engine 'vllm' serves FP8 as block scaling only; recipe {recipe.name!r} has "
+            f"recipe.quant.granularity {q.granularity!r} (use 'block', or rollout.engine 'torch')"
+        )
+    if tuple(q.weight_block) != (128, 128) or q.act_block != 128:
+        return (
+            "rollout.engine 'vllm' runs block FP8 with 128x128 weight tiles and 1x128 activation groups; "
+            f"recipe.quant.weight_block is {list(q.weight_block)}, recipe.quant.act_block {q.act_block}"
+        )
+    return None
 
 
 def format_validation_errors(e: ValidationError, source: str, what: str = "configuration") -> str:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import ConfigError, RayConfig, RunConfig
+from fp8rl.config import KV_FP8_ON_RAY, ConfigError, RayConfig, RunConfig
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
@@ -364,11 +364,8 @@ def _names_of(role: str, count: int) -> list[str]:
 def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str], None] = print) -> RayParts:
     """Place the actors, set up the trainers' process group, and check the engines start in sync."""
     rc = cfg.ray or RayConfig()
-    if cfg.recipe.kv_cache == "fp8":
-        raise ConfigError(
-            "recipe.kv_cache 'fp8' runs in the one-process loop only (ray: null): the Ray workers do not "
-            "recalibrate the KV-cache scales yet"
-        )
+    if cfg.recipe.kv_cache == "fp8":  # RunConfig refuses it too; model_copy(update=...) skips that validation
+        raise ConfigError(KV_FP8_ON_RAY)
     calls = _Calls(rc.actor_timeout_s)
     where = _place(rc, calls)
     trainers, rollouts = _start_actors(cfg, model_dir, where, calls)

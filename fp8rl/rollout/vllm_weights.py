@@ -29,7 +29,7 @@ import torch
 
 from fp8rl.atomic import OutputExistsError
 from fp8rl.checkpoint.formats import read_granularity
-from fp8rl.config import Recipe
+from fp8rl.config import Recipe, vllm_recipe_problem
 from fp8rl.errors import UserError
 from fp8rl.models.layers import DECODER_LINEAR_SUFFIXES, kept_layers
 from fp8rl.models.loading import read_model_config
@@ -50,19 +50,9 @@ Weights = dict[str, torch.Tensor | QuantizedTensor]
 # ---- configuration and checkpoints (pure) ------------------------------------------------------------
 def check_recipe_supported(recipe: Recipe) -> None:
     """vLLM serves the ``block`` recipe with 128x128 weight tiles and 1x128 activation groups (and bf16)."""
-    if recipe.rollout_precision != "fp8":
-        return
-    q = recipe.quant
-    if q.granularity != "block":
-        raise UserError(
-            f"rollout.engine 'vllm' serves FP8 as block scaling only; recipe {recipe.name!r} has "
-            f"recipe.quant.granularity {q.granularity!r} (use 'block', or rollout.engine 'torch')"
-        )
-    if tuple(q.weight_block) != FP8_BLOCK or q.act_block != FP8_BLOCK[1]:
-        raise UserError(
-            "rollout.engine 'vllm' runs block FP8 with 128x128 weight tiles and 1x128 activation groups; "
-            f"recipe.quant.weight_block is {list(q.weight_block)}, recipe.quant.act_block {q.act_block}"
-        )
+    problem = vllm_recipe_problem(recipe)
+    if problem:
+        raise UserError(problem)
 
 
 def model_dims(model_config: Mapping[str, Any]) -> dict[str, int]:

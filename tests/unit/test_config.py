@@ -98,3 +98,19 @@ def test_fp8_kv_cache_needs_the_vllm_engine() -> None:
         parse_run_config({"recipe": E2E, "rollout": {"engine": "sglang"}})
     with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization: Input should be less than or equal to 1"):
         parse_run_config({"recipe": E2E, "rollout": {"gpu_memory_utilization": 1.5}})
+
+
+def test_vllm_engine_recipes_are_checked_before_anything_runs() -> None:
+    vllm = {"engine": "vllm"}
+    row = {**E2E, "quant": {"granularity": "row"}}
+    with pytest.raises(ConfigError, match=r"serves FP8 as block scaling only.*recipe.quant.granularity 'row'"):
+        parse_run_config({"recipe": row, "rollout": vllm})
+    with pytest.raises(ConfigError, match=r"recipe.quant.weight_block is \[64, 64\]"):
+        parse_run_config({"recipe": {**E2E, "quant": {"weight_block": [64, 64]}}, "rollout": vllm})
+    # bf16 rollout needs no FP8 layout; the torch engine serves every granularity
+    assert parse_run_config(
+        {"recipe": {**row, "rollout_precision": "bf16", "train_precision": "bf16"}, "rollout": vllm}
+    )
+    assert parse_run_config({"recipe": row})
+    with pytest.raises(ConfigError, match=r"kv_cache 'fp8' runs in the one-process loop only \(ray: null\)"):
+        parse_run_config({"recipe": {**E2E, "kv_cache": "fp8"}, "rollout": vllm, "ray": {}})
