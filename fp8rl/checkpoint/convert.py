@@ -121,7 +121,8 @@ def _convert_shard(
     return {name: dst_file.name for name in out}
 
 
-def _not_converted(kept: set[int]) -> list[str]:
+def not_converted_modules(kept: set[int]) -> list[str]:
+    """The linear modules a converted checkpoint keeps in high precision: lm_head and the ``kept`` layers' linears."""
     names = ["lm_head"]
     for layer in sorted(kept):
         names += [f"model.layers.{layer}.{suffix}" for suffix in DECODER_LINEAR_SUFFIXES]
@@ -180,7 +181,7 @@ def convert_checkpoint(
         cfg_out = {
             **cfg,
             "quantization_config": quantization_config(
-                opts.granularity, opts.weight_block, _not_converted(kept), opts.fmt
+                opts.granularity, opts.weight_block, not_converted_modules(kept), opts.fmt
             ),
         }
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")

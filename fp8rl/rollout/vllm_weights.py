@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fp8rl.atomic import OutputExistsError
+from fp8rl.checkpoint.convert import not_converted_modules
 from fp8rl.checkpoint.formats import read_granularity
 from fp8rl.config import Recipe, vllm_recipe_problem
 from fp8rl.errors import UserError
@@ -93,8 +94,7 @@ def fp8_module_names_from_config(model_config: Mapping[str, Any], recipe: Recipe
 def expected_ignored_layers(model_config: Mapping[str, Any], recipe: Recipe) -> set[str]:
     """The modules an FP8 checkpoint for ``recipe`` keeps in BF16 (``fp8rl convert``'s list)."""
     n = int(model_config["num_hidden_layers"])
-    kept = kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
-    return {"lm_head", *(f"model.layers.{i}.{s}" for i in sorted(kept) for s in DECODER_LINEAR_SUFFIXES)}
+    return set(not_converted_modules(kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)))
 
 
 def check_fp8_checkpoint(model_dir: Path, model_config: Mapping[str, Any], recipe: Recipe) -> None:
