@@ -29,12 +29,12 @@ from typing import Any
 import yaml
 
 from fp8rl.atomic import atomic_directory, atomic_write_text
+from fp8rl.cluster.rayjob import MAX_NAME_LENGTH
 from fp8rl.config import RunConfig
 from fp8rl.errors import UserError
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 STAGE_DIR = "kfp-runs"
-MAX_NAME = 47  # KubeRay's limit for RayJob names (fp8rl.cluster.rayjob.MAX_NAME_LENGTH)
 
 
 def current_namespace() -> str:
@@ -47,7 +47,7 @@ def current_namespace() -> str:
 def rayjob_name(recipe: str, seed: int, kfp_run_id: str) -> str:
     """``fp8rl-<recipe>-<hash>``: a DNS-1035 label of at most 47 characters, unique per KFP run, recipe and seed."""
     digest = hashlib.sha256(f"{kfp_run_id}/{recipe}/{seed}".encode()).hexdigest()[:8]
-    slug = re.sub(r"[^a-z0-9-]+", "-", recipe.lower()).strip("-")[: MAX_NAME - len("fp8rl--") - len(digest)]
+    slug = re.sub(r"[^a-z0-9-]+", "-", recipe.lower()).strip("-")[: MAX_NAME_LENGTH - len("fp8rl--") - len(digest)]
     return f"fp8rl-{slug.strip('-') or 'recipe'}-{digest}"
 
 

@@ -5,11 +5,10 @@ from kfp.dsl import Artifact, Input, Metrics, Model, Output
 
 from components.images import COMPONENT_IMAGE
 
-# where the pipelines mount the chart's ConfigMap <release>-fp8rl-rayjob-defaults (the default below repeats it:
-# KFP ships the function's source alone, so a default must be a literal)
-RAYJOB_TEMPLATE = "/etc/fp8rl/rayjob.yaml"
 
-
+# rayjob_template's default is where the pipelines mount the chart's ConfigMap <release>-fp8rl-rayjob-defaults
+# (pipelines.cluster.RAYJOB_DEFAULTS_MOUNT), written out: KFP ships the function's source alone, so a default
+# must be a literal (tests/unit/test_pipelines.py checks that the two agree).
 @dsl.component(base_image=COMPONENT_IMAGE, install_kfp_package=False)
 def rl_step(
     model: Input[Model],

@@ -48,6 +48,11 @@ class QuantConfig(_Strict):
     bf16_first_layers: int = Field(0, ge=0)
     bf16_last_layers: int = Field(0, ge=0)
 
+    @property
+    def fixed_128_blocks(self) -> bool:
+        """128x128 weight tiles and 1x128 activation groups: the one block layout TE and vLLM run."""
+        return tuple(self.weight_block) == (128, 128) and self.act_block == 128
+
     def spec(self) -> QuantSpec:
         """These settings as the ``fp8rl.quant.QuantSpec`` the quantizers take (imports torch when called)."""
         from fp8rl.quant import QuantSpec
@@ -164,7 +169,7 @@ class Recipe(_Strict):
                     "trainer 'te' has no per-row FP8 recipe on Hopper (MXFP8 needs Blackwell); "
                     "use quant.granularity 'block' or 'tensor', or trainer 'torch'"
                 )
-            if q.granularity == "block" and (tuple(q.weight_block) != (128, 128) or q.act_block != 128):
+            if q.granularity == "block" and not q.fixed_128_blocks:
                 raise ValueError(
                     "trainer 'te' block scaling is fixed at 128x128 weight tiles and 1x128 activation groups; "
                     f"got quant.weight_block {list(q.weight_block)}, quant.act_block {q.act_block}"
@@ -270,7 +275,7 @@ def vllm_recipe_problem(recipe: Recipe) -> str | None:
             f"rollout.engine 'vllm' serves FP8 as block scaling only; recipe {recipe.name!r} has "
             f"recipe.quant.granularity {q.granularity!r} (use 'block', or rollout.engine 'torch')"
         )
-    if tuple(q.weight_block) != (128, 128) or q.act_block != 128:
+    if not q.fixed_128_blocks:
         return (
             "rollout.engine 'vllm' runs block FP8 with 128x128 weight tiles and 1x128 activation groups; "
             f"recipe.quant.weight_block is {list(q.weight_block)}, recipe.quant.act_block {q.act_block}"

@@ -176,6 +176,11 @@ def build_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalEng
         from fp8rl.rollout.vllm_engine import VLLMRolloutEngine  # vLLM is a GPU extra: imported only when asked for
 
         return VLLMRolloutEngine.from_run_config(cfg, model_dir, device)
+    return build_torch_engine(cfg, model_dir, device)
+
+
+def build_torch_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> TorchRolloutEngine:
+    """The built-in engine serving ``model_dir`` with the recipe's rollout precision and scaling."""
     q = cfg.recipe.quant
     return TorchRolloutEngine(
         model_dir, cfg.recipe.rollout_precision, quant_spec(cfg), q.bf16_first_layers, q.bf16_last_layers, device
@@ -287,24 +292,28 @@ def prompt_batch(parts: Parts, examples: list[Example]) -> SequenceBatch:
     return build_batch(prompts, empty, empty.float(), parts.engine.pad_token_id)
 
 
-def evaluate_heldout(cfg: RunConfig, parts: Parts, heldout: list[Example]) -> dict[str, float]:
-    """``eval/accuracy`` (greedy) and ``eval/sampled_accuracy`` (avg@``cfg.eval_samples`` at the rollout
-    temperature, fixed seed) of the policy the engine now serves, on the held-out examples."""
+def evaluate_policy(
+    cfg: RunConfig, engine: RolloutGenerator, tok: PreTrainedTokenizerBase, heldout: list[Example]
+) -> dict[str, float]:
+    """Greedy ``accuracy``, ``response_tokens`` and ``truncated`` of the policy ``engine`` serves on ``heldout``,
+    and ``sampled_accuracy`` (avg@``cfg.eval_samples`` at the rollout temperature, fixed seed) unless
+    ``cfg.eval_samples`` is 0."""
     max_tokens = cfg.sampling.max_tokens
-    greedy = evaluate(parts.engine, parts.tok, heldout, max_tokens)
-    out = {"eval/accuracy": greedy["accuracy"], "eval/response_tokens": greedy["response_tokens"]}
+    out = evaluate(engine, tok, heldout, max_tokens)
     if cfg.eval_samples:
         sampled = evaluate(
-            parts.engine,
-            parts.tok,
-            heldout,
-            max_tokens,
-            temperature=cfg.sampling.temperature,
-            samples=cfg.eval_samples,
+            engine, tok, heldout, max_tokens, temperature=cfg.sampling.temperature, samples=cfg.eval_samples,
             seed=cfg.seed,
-        )
-        out["eval/sampled_accuracy"] = sampled["accuracy"]
+        )  # fmt: skip
+        out["sampled_accuracy"] = sampled["accuracy"]
     return out
+
+
+def evaluate_heldout(cfg: RunConfig, parts: Parts, heldout: list[Example]) -> dict[str, float]:
+    """``eval/accuracy`` (greedy), ``eval/response_tokens`` and ``eval/sampled_accuracy`` (``evaluate_policy``)
+    of the policy the engine now serves, on the held-out examples."""
+    m = evaluate_policy(cfg, parts.engine, parts.tok, heldout)
+    return {f"eval/{k}": v for k, v in m.items() if k != "truncated"}
 
 
 def _eval_line(m: dict[str, float]) -> str:

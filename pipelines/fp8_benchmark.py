@@ -22,18 +22,17 @@ NAME = "fp8-benchmark"
 
 
 def build(parallelism: int = 0) -> Any:
-    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once, as on a cluster; local runs
-    use 1, so that steps sharing one machine's cores do not skew each other's throughput)."""
+    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once; ``pipelines.get_pipelines``)."""
 
     @dsl.pipeline(name=NAME, description="RL-step throughput per FP8 precision recipe: rollout, train, weight sync.")
     def fp8_benchmark(
         recipes: list = list(BUILTIN_RECIPES),  # noqa: B006
-        model_source: str = "tiny",
+        model_source: str = stages.DEFAULT_MODEL_SOURCE,
         seed: int = 0,
         bench_steps: int = 5,
         warmup_steps: int = 2,
         run_config: dict = {},  # noqa: B006
-        convert_recipe: str = "fp8-e2e",
+        convert_recipe: str = stages.DEFAULT_FP8_RECIPE,
         experiment: str = "fp8rl-bench",
         work_dir: str = CLUSTER_WORK_DIR,
         device: str = "auto",

@@ -18,16 +18,16 @@ NAME = "fp8-rl"
 
 @dsl.pipeline(name=NAME, description="One FP8 precision recipe end to end, tracked in MLflow.")
 def fp8_rl(
-    recipe: str = "fp8-e2e",
-    model_source: str = "tiny",
+    recipe: str = stages.DEFAULT_FP8_RECIPE,
+    model_source: str = stages.DEFAULT_MODEL_SOURCE,
     seed: int = 0,
-    sft_steps: int = 600,
-    rl_steps: int = 60,
-    bench_steps: int = 3,
+    sft_steps: int = stages.DEFAULT_SFT_STEPS,
+    rl_steps: int = stages.DEFAULT_RL_STEPS,
+    bench_steps: int = stages.DEFAULT_BENCH_STEPS,
     run_config: dict = {},  # noqa: B006
-    experiment: str = "fp8rl",
+    experiment: str = stages.DEFAULT_EXPERIMENT,
     work_dir: str = CLUSTER_WORK_DIR,
-    backend: str = "rayjob",
+    backend: str = stages.DEFAULT_BACKEND,
     device: str = "auto",
     pvc_name: str = DEFAULT_PVC,
     rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
@@ -39,9 +39,8 @@ def fp8_rl(
     tracking = stages.start(NAME, experiment, work_dir, refs)
     warm = stages.warm_up(stages.prepare(model_source, seed, refs), sft_steps, refs)
     conversion = stages.convert(warm, recipe, refs)
-    p = {"seed": seed, "run_config": run_config, "rl_steps": rl_steps, "bench_steps": bench_steps}
-    p |= {"backend": backend, "device": device}
-    rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, p, refs)
+    params = stages.RecipeParams(seed, run_config, rl_steps, bench_steps, backend, device)
+    rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, params, refs)
     rl.after(conversion)
     report = stages.compare(NAME, tracking, [], conversion, refs).after(bench)
     return report.outputs["report"]

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from components.runtime import BACKENDS
 from fp8rl.errors import UserError
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -92,5 +93,5 @@ def check_values(arguments: dict[str, Any]) -> None:
                 raise UserError(f"--param {key}: unknown recipe {name!r}; built-in: {', '.join(BUILTIN_RECIPES)}")
     if "recipes" in arguments and not arguments["recipes"]:
         raise UserError("--param recipes: the list is empty")
-    if arguments.get("backend", "local") not in ("local", "rayjob"):
-        raise UserError(f"--param backend: expected local or rayjob, got {arguments['backend']!r}")
+    if "backend" in arguments and arguments["backend"] not in BACKENDS:
+        raise UserError(f"--param backend: expected {' or '.join(BACKENDS)}, got {arguments['backend']!r}")

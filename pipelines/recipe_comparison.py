@@ -20,22 +20,21 @@ NAME = "recipe-comparison"
 
 
 def build(parallelism: int = 0) -> Any:
-    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once, as on a cluster; local runs
-    use 1, so that steps sharing one machine's cores do not skew each other's throughput)."""
+    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once; ``pipelines.get_pipelines``)."""
 
     @dsl.pipeline(name=NAME, description="Compare FP8 precision recipes end to end: accuracy, mismatch, throughput.")
     def recipe_comparison(
         recipes: list = list(BUILTIN_RECIPES),  # noqa: B006
-        model_source: str = "tiny",
+        model_source: str = stages.DEFAULT_MODEL_SOURCE,
         seed: int = 0,
-        sft_steps: int = 600,
-        rl_steps: int = 60,
-        bench_steps: int = 3,
+        sft_steps: int = stages.DEFAULT_SFT_STEPS,
+        rl_steps: int = stages.DEFAULT_RL_STEPS,
+        bench_steps: int = stages.DEFAULT_BENCH_STEPS,
         run_config: dict = {},  # noqa: B006
-        convert_recipe: str = "fp8-e2e",
-        experiment: str = "fp8rl",
+        convert_recipe: str = stages.DEFAULT_FP8_RECIPE,
+        experiment: str = stages.DEFAULT_EXPERIMENT,
         work_dir: str = CLUSTER_WORK_DIR,
-        backend: str = "rayjob",
+        backend: str = stages.DEFAULT_BACKEND,
         device: str = "auto",
         pvc_name: str = DEFAULT_PVC,
         rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
@@ -51,10 +50,9 @@ def build(parallelism: int = 0) -> Any:
         tracking = stages.start(NAME, experiment, work_dir, refs)
         warm = stages.warm_up(stages.prepare(model_source, seed, refs), sft_steps, refs)
         conversion = stages.convert(warm, convert_recipe, refs)
-        p = {"seed": seed, "run_config": run_config, "rl_steps": rl_steps, "bench_steps": bench_steps}
-        p |= {"backend": backend, "device": device}
+        params = stages.RecipeParams(seed, run_config, rl_steps, bench_steps, backend, device)
         with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
-            rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, p, refs)
+            rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, params, refs)
             rl.after(conversion)
         report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
         return report.outputs["report"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kfp import dsl
@@ -16,6 +17,27 @@ from components.rl_step import rl_step
 from components.sft_warmup import sft_warmup
 from components.tracking import start_tracking
 from pipelines.cluster import ClusterRefs, on_cluster
+
+# Parameter defaults the pipelines share (KFP reads each pipeline's defaults from its signature).
+DEFAULT_MODEL_SOURCE = "tiny"  # a tiny preset: no download
+DEFAULT_FP8_RECIPE = "fp8-e2e"  # fp8-rl's recipe; the conversion's scaling in the multi-recipe pipelines
+DEFAULT_SFT_STEPS = 600
+DEFAULT_RL_STEPS = 60
+DEFAULT_BENCH_STEPS = 3
+DEFAULT_EXPERIMENT = "fp8rl"
+DEFAULT_BACKEND = "rayjob"
+
+
+@dataclass(frozen=True)
+class RecipeParams:
+    """The pipeline parameters (channels) every recipe's RL step, evaluation and benchmark share."""
+
+    seed: Any
+    run_config: Any
+    rl_steps: Any
+    bench_steps: Any
+    backend: Any
+    device: Any
 
 
 def start(pipeline_name: str, experiment: Any, work_dir: Any, refs: ClusterRefs) -> PipelineTask:
@@ -49,24 +71,24 @@ def train_evaluate_benchmark(
     model: PipelineTask,
     tracking: PipelineTask,
     recipe: Any,
-    p: dict[str, Any],
+    params: RecipeParams,
     refs: ClusterRefs,
 ) -> tuple[PipelineTask, PipelineTask, PipelineTask]:
     """RL step -> evaluation -> benchmark of one recipe, all three in that recipe's MLflow run."""
-    common = {"recipe": recipe, "seed": p["seed"], "run_config": p["run_config"]}
+    common = {"recipe": recipe, "seed": params.seed, "run_config": params.run_config}
     run = tracking.outputs["mlflow_run"]
     rl = rl_step(
-        model=model.outputs["model"], mlflow_run=run, steps=p["rl_steps"], pipeline_name=pipeline_name,
-        kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=p["backend"], **common,
+        model=model.outputs["model"], mlflow_run=run, steps=params.rl_steps, pipeline_name=pipeline_name,
+        kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=params.backend, **common,
     ).set_display_name("RL step")  # fmt: skip
     on_cluster(rl, refs, tracked=True, rayjob=True)
     ev = evaluate(
-        model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], device=p["device"], **common
+        model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], device=params.device, **common
     )
     on_cluster(ev.set_display_name("evaluate"), refs, tracked=True, gpu=True)
     bench = benchmark(
-        model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], steps=p["bench_steps"],
-        pipeline_name=pipeline_name, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, device=p["device"], **common,
+        model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], steps=params.bench_steps,
+        pipeline_name=pipeline_name, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, device=params.device, **common,
     ).set_display_name("benchmark")  # fmt: skip
     on_cluster(bench.after(ev), refs, tracked=True, gpu=True)  # after evaluation: timings without a neighbour
     return rl, ev, bench

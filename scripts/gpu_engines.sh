@@ -7,7 +7,7 @@
 #   bash scripts/gpu_engines.sh vllm-part .carry/vllm1    the first half of vLLM
 #   bash scripts/gpu_engines.sh vllm .carry/vllm2         the second half; GPU tests of the vLLM engine; gpu_vllm.py
 #   bash scripts/gpu_engines.sh te                        the TE extension in place; GPU tests of TE; gpu_te.py
-#   bash scripts/gpu_engines.sh bench                     throughput: gpu_vllm.py and gpu_te.py --section throughput
+#   bash scripts/gpu_engines.sh bench                     vLLM throughput: gpu_vllm_throughput.py, one variant per process
 #   bash scripts/gpu_engines.sh poll                      wait for the work in flight (another up to 9 minutes)
 # The work of vllm/te/bench runs detached (setsid) with its results in /tmp/res; every step waits for it up to
 # WAIT_S (540 s) and copies /tmp/res to $OUT, so a step that outlasts one command is finished by `poll`.
@@ -71,7 +71,7 @@ case $step in
     wait_current ;;
   bench)
     # one process per variant: an engine closed in-process does not give all its memory back (vLLM 0.26)
-    detach bench "for v in ${VARIANTS:-bf16 fp8 fp8-kv}; do OUT=$RES python3 scripts/gpu_vllm.py --section throughput --variants \$v; done"
+    detach bench "for v in ${VARIANTS:-bf16 fp8 fp8-kv}; do OUT=$RES python3 scripts/gpu_vllm_throughput.py --variants \$v; done"
     wait_current ;;
   poll)
     wait_current ;;

@@ -6,13 +6,12 @@ Sections (each catches its own failure, records it in the JSON and the run goes 
   c  rl: the RL loop with rollout.engine vllm, 3 steps each of bf16 / fp8-rollout / fp8-e2e
   d  sleep: colocated sleep/wake frees the memory and keeps the outputs
   e  kvfp8: FP8 KV cache calibrated from the trainer model vs the BF16 KV cache; the scales are live
-  f  throughput (``--section throughput``, its own device call): a random Qwen2.5-3B-shaped Llama, BF16 vs FP8 vs
-     FP8 + FP8 KV, CUDA graphs on, output tokens/s per batch and response length, and the full sync time
+  f  throughput: scripts/gpu_vllm_throughput.py (its own device call, one process per variant)
 
 Usage on the device (vLLM on PYTHONPATH):
-  python scripts/gpu_vllm.py                        # a-e, about 5 minutes on an H100
-  python scripts/gpu_vllm.py --section throughput   # f, about 6 minutes
-Writes $OUT/gpu_vllm.json (or gpu_vllm_throughput.json) after every section.
+  python scripts/gpu_vllm.py                        # a-e, about 3 minutes on an H100
+  python scripts/gpu_vllm_throughput.py --variants fp8   # f, about 2.5 minutes per variant
+Writes $OUT/gpu_vllm.json after every section; what the GPU scripts share is in gpu_sections.py.
 """
 
 from __future__ import annotations
@@ -21,71 +20,41 @@ import argparse
 import gc
 import json
 import os
-import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-for _key, _value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_DEEP_GEMM": "0",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_sections import run_section, say, time_limit
+
+from fp8rl.rollout.vllm_engine import VLLM_ENV_DEFAULTS
+
+# set before anything imports vLLM: the engine's own defaults, and no network
+for _key, _value in {**VLLM_ENV_DEFAULTS, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_key, _value)
 
 WORK = Path(os.environ.get("FP8RL_GPU_WORK", "/tmp/fp8rl-vllm"))
 OUT = Path(os.environ.get("OUT", "."))
 PROMPTS_N = 64
-QWEN3B = {  # Qwen2.5-3B's shape, as a Llama (no qkv bias): 3.1B parameters
-    "hidden_size": 2048,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "tie_word_embeddings": True,
-}
 
 
-class SectionTimeout(Exception):
-    pass
+def section(results: dict[str, Any], name: str, limit_s: int, fn: Callable[[], dict[str, Any]], out: Path) -> None:
+    """One section under a time limit (``gpu_sections.run_section``), then the GPU memory it left."""
+    say(f"\n=== section {name} (limit {limit_s}s) ===")
+
+    def limited() -> dict[str, Any]:
+        with time_limit(limit_s):
+            return fn()
+
+    run_section(results, name, limited, out, say)
+    free_gpu()
 
 
-def _alarm(_sig: int, _frame: Any) -> None:
-    raise SectionTimeout("section time limit reached")
-
-
-def run_section(results: dict[str, Any], name: str, limit_s: int, fn: Callable[[], dict[str, Any]], out: Path) -> None:
-    """Run ``fn`` under a time limit; record ok/failed, its result or the error, and the elapsed time."""
-    print(f"\n=== section {name} (limit {limit_s}s) ===", flush=True)
-    t0 = time.perf_counter()
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(limit_s)
-    entry: dict[str, Any]
-    try:
-        entry = {"status": "ok", **fn()}
-    except BaseException as e:  # a failed section is recorded and the run goes on
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        entry = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-        print(entry["traceback"], flush=True)
-    finally:
-        signal.alarm(0)
-    entry["seconds"] = round(time.perf_counter() - t0, 1)
-    results["sections"][name] = entry
-    print(f"=== section {name}: {entry['status']} in {entry['seconds']}s ===", flush=True)
-    out.write_text(json.dumps(results, indent=1, default=str))
-    _free_gpu()
-
-
-def _free_gpu() -> None:
+def free_gpu() -> None:
     import torch
 
     gc.collect()
@@ -94,7 +63,7 @@ def _free_gpu() -> None:
     print(f"GPU memory free after close: {free / 2**30:.2f} of {total / 2**30:.2f} GiB", flush=True)
 
 
-def _diag(engine: Any) -> dict[str, str]:
+def kernel_names(engine: Any) -> dict[str, str]:
     """Which kernels vLLM chose (internal attributes, read for diagnostics only)."""
     from fp8rl.rollout import vllm_patches
 
@@ -165,7 +134,7 @@ def engine(model_dir: Path, recipe: Any, work: Path, **kw: Any) -> Any:
     )
     t0 = time.perf_counter()
     e = VLLMRolloutEngine(model_dir, recipe, rollout, work_dir=work, **kw)
-    print(f"vLLM engine up in {time.perf_counter() - t0:.1f}s: {_diag(e)}", flush=True)
+    print(f"vLLM engine up in {time.perf_counter() - t0:.1f}s: {kernel_names(e)}", flush=True)
     return e
 
 
@@ -202,7 +171,7 @@ def section_convert(model_dir: Path) -> dict[str, Any]:
     e = engine(dst, load_recipe("fp8-rollout"), WORK / "a")
     try:
         out = e.generate(ps, greedy)
-        diag = _diag(e)
+        diag = kernel_names(e)
     finally:
         e.close()
     result = {"vs_torch_fp8": compare(out, ref), "kernels": diag, "checkpoint": str(dst)}
@@ -289,7 +258,7 @@ def section_rl(model_dir: Path, steps: int = 3) -> dict[str, Any]:
         finally:
             parts.engine.close()  # type: ignore[attr-defined]
             del parts
-            _free_gpu()
+            free_gpu()
         runs[name] = {
             "steps": [{k: h.get(k) for k in keys} for h in res.history],
             "initial": res.initial,
@@ -357,7 +326,7 @@ def section_kv_fp8(model_dir: Path) -> dict[str, Any]:
         e.set_kv_scales(good)
         e.llm.reset_prefix_cache()
         restored = e.generate(ps, greedy)
-        diag = _diag(e)
+        diag = kernel_names(e)
     finally:
         e.close()
     return {
@@ -371,150 +340,8 @@ def section_kv_fp8(model_dir: Path) -> dict[str, Any]:
     }
 
 
-# ---- section f: throughput -----------------------------------------------------------------------------
-def write_random_3b(dst: Path, fp8: bool) -> Path:
-    """A random-weight Qwen2.5-3B-shaped Llama checkpoint, written from the GPU (BF16, or block FP8 in the
-    ``fp8rl convert`` layout with scales from ``fp8rl.quant``)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    from fp8rl.checkpoint.formats import quantization_config
-    from fp8rl.quant import QuantSpec, quantize_weight
-
-    if (dst / "config.json").exists():
-        return dst
-    dst.mkdir(parents=True, exist_ok=True)
-    c = QWEN3B
-    cfg = LlamaConfig(**c, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return (0.02 * torch.randn(shape, generator=g, device="cuda")).to(torch.bfloat16)
-
-    h, inter, q, kv = c["hidden_size"], c["intermediate_size"], 16 * 128, 2 * 128
-    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-              "mlp.down_proj": (h, inter)}  # fmt: skip
-    weight_map = {}
-    for i in range(c["num_hidden_layers"]):
-        shard: dict[str, torch.Tensor] = {}
-        for mod, shape in shapes.items():
-            name = f"model.layers.{i}.{mod}"
-            w = rnd(*shape)
-            if fp8:
-                qw = quantize_weight(w, QuantSpec())
-                shard[name + ".weight"], shard[name + ".weight_scale_inv"] = qw.data, qw.scale_inv
-            else:
-                shard[name + ".weight"] = w
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            shard[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16, device="cuda")
-        fname = f"layer-{i:03d}.safetensors"
-        save_file({k: v.cpu().contiguous() for k, v in shard.items()}, str(dst / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    rest = {
-        "model.embed_tokens.weight": rnd(c["vocab_size"], h),
-        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-    }
-    save_file(
-        {k: v.cpu().contiguous() for k, v in rest.items()}, str(dst / "rest.safetensors"), metadata={"format": "pt"}
-    )
-    weight_map.update(dict.fromkeys(rest, "rest.safetensors"))
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg_dict = {**cfg.to_dict(), "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}
-    if fp8:
-        cfg_dict["quantization_config"] = quantization_config("block", (128, 128), ["lm_head"])
-    (dst / "config.json").write_text(json.dumps(cfg_dict, indent=1))
-    return dst
-
-
-def section_throughput(batches: list[int], lengths: list[int], variants: list[str]) -> dict[str, Any]:
-    import torch
-
-    from fp8rl.config import RolloutConfig, load_recipe
-    from fp8rl.quant import QuantSpec
-    from fp8rl.rollout import KVScales, SamplingParams
-    from fp8rl.sync import payload_bytes, requantize_for_rollout
-
-    t0 = time.perf_counter()
-    bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)
-    fp8_dir = write_random_3b(WORK / "qwen3b-fp8", fp8=True) if any(v != "bf16" for v in variants) else None
-    print(f"random 3B checkpoints written in {time.perf_counter() - t0:.0f}s", flush=True)
-    rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.7, enforce_eager=False, max_model_len=2304)
-    results: dict[str, Any] = {"shape": QWEN3B, "prompt_len": 64, "variants": {}}
-    gen = torch.Generator().manual_seed(0)
-    for variant in variants:
-        recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
-        if variant == "fp8-kv":
-            recipe = recipe.model_copy(update={"kv_cache": "fp8"})
-        e = engine(bf16_dir if variant == "bf16" else fp8_dir, recipe, WORK / "f", rollout=rollout)  # type: ignore[arg-type]
-        entry: dict[str, Any] = {"kernels": _diag(e), "runs": []}
-        try:
-            e.generate([[5] * 64] * 8, SamplingParams(temperature=1.0, max_tokens=32))  # warm-up
-            for batch in batches:
-                for length in lengths:
-                    ps = torch.randint(10, 150_000, (batch, 64), generator=gen).tolist()
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    r = e.generate(ps, SamplingParams(temperature=1.0, max_tokens=length, seed=1), ignore_eos=True)
-                    seconds = time.perf_counter() - t
-                    run = {"batch": batch, "response_len": length, "tokens": r.num_tokens, "seconds": seconds,
-                           "output_tokens_per_s": r.num_tokens / seconds}  # fmt: skip
-                    entry["runs"].append(run)
-                    print(f"{variant}: {json.dumps(run)}", flush=True)
-            if variant != "bf16":
-                entry["sync"] = _time_sync(e, bf16_dir, QuantSpec(), requantize_for_rollout, payload_bytes)
-            if variant == "fp8-kv":  # with CUDA graphs on, writing the scale buffers must change the outputs
-                greedy, few = SamplingParams(temperature=0.0, max_tokens=32), [[5, 6, 7, 8] * 8] * 8
-                a = e.generate(few, greedy)
-                n = int(QWEN3B["num_hidden_layers"])
-                e.set_kv_scales({i: KVScales(1e-3, 1e-3, 1e-3) for i in range(n)})
-                e.llm.reset_prefix_cache()
-                b = e.generate(few, greedy)
-                entry["scales_are_live_with_cuda_graphs"] = not torch.equal(a.response_ids, b.response_ids)
-        finally:
-            e.close()
-            _free_gpu()
-        results["variants"][variant] = entry
-    return results
-
-
-def _time_sync(e: Any, bf16_dir: Path, spec: Any, requantize: Any, nbytes: Any) -> dict[str, Any]:
-    """Requantize the full BF16 model on the GPU and reload it into the engine: median of 3, verified once."""
-    import torch
-    from safetensors.torch import load_file
-
-    from fp8rl.sync import verify_engine_weights
-
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(bf16_dir.glob("*.safetensors")):
-        weights.update({k: v.to("cuda") for k, v in load_file(str(f)).items()})
-    names = {m + ".weight" for m in e.fp8_modules}
-    times = []
-    for version in range(1, 4):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        payload = requantize(weights, names, spec)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        e.load_weights(payload, version)
-        torch.cuda.synchronize()
-        times.append((t1 - t0, time.perf_counter() - t1))
-    verify_engine_weights(e, payload, 3)
-    req = sorted(t[0] for t in times)[1]
-    load = sorted(t[1] for t in times)[1]
-    return {"requantize_s": req, "reload_s": load, "total_s": req + load, "bytes": nbytes(payload), "verified": True}
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--section", default="all", help="all (a-e), one of convert,reload,rl,sleep,kvfp8, or throughput")
-    p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--batches", default="64,256")
-    p.add_argument("--lengths", default="512,2048")
-    p.add_argument("--variants", default="bf16,fp8,fp8-kv")
-    args = p.parse_args()
-
+def start_report() -> dict[str, Any]:
+    """The results of one run: versions and device, printed and kept; the sections are added as they run."""
     import torch
 
     OUT.mkdir(parents=True, exist_ok=True)
@@ -528,12 +355,15 @@ def main() -> None:
         results["vllm"] = f"not importable: {e!r}"
     results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
     print(json.dumps({k: results[k] for k in ("torch", "vllm", "device")}), flush=True)
-    if args.section == "throughput":
-        out = OUT / f"gpu_vllm_throughput_{args.variants.replace(',', '_')}.json"
-        ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-        variants = args.variants.split(",")
-        run_section(results, "throughput", 580, lambda: section_throughput(ints(args.batches), ints(args.lengths), variants), out)  # fmt: skip
-        return
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--section", default="all", help="all (a-e), or one of convert,reload,rl,sleep,kvfp8")
+    p.add_argument("--sft-steps", type=int, default=300)
+    args = p.parse_args()
+    results = start_report()
     out = OUT / "gpu_vllm.json"
     model: dict[str, Path] = {}
 
@@ -541,7 +371,7 @@ def main() -> None:
         model["dir"] = sft_model(args.sft_steps)
         return {"model": str(model["dir"])}
 
-    run_section(results, "prepare", 120, prepare, out)
+    section(results, "prepare", 120, prepare, out)
     if "dir" not in model:
         return
     m = model["dir"]
@@ -554,7 +384,7 @@ def main() -> None:
     }
     for name, (limit, fn) in sections.items():
         if args.section in ("all", name):
-            run_section(results, name, limit, fn, out)
+            section(results, name, limit, fn, out)
     failed = [n for n, s in results["sections"].items() if s["status"] != "ok"]
     print(f"\nsections failed: {failed or 'none'}; results in {out}", flush=True)
 

@@ -18,32 +18,13 @@ from pathlib import Path
 
 from fp8rl.bench.throughput import resolve_device
 from fp8rl.config import RunConfig
-from fp8rl.evaluation import evaluate
-from fp8rl.loop import quant_spec, task_examples
+from fp8rl.loop import build_torch_engine, evaluate_policy, task_examples
 from fp8rl.models.loading import load_tokenizer
-from fp8rl.rollout.torch_engine import TorchRolloutEngine
 
 
 def evaluate_checkpoint(cfg: RunConfig, model_dir: str | Path, device: str = "auto") -> dict[str, float]:
     """Evaluate ``model_dir`` under ``cfg.recipe``'s rollout numerics; returns the ``evaluate/*`` metrics."""
-    q = cfg.recipe.quant
-    engine = TorchRolloutEngine(
-        model_dir, cfg.recipe.rollout_precision, quant_spec(cfg), q.bf16_first_layers, q.bf16_last_layers,
-        resolve_device(device),
-    )  # fmt: skip
-    tok = load_tokenizer(model_dir)
+    engine = build_torch_engine(cfg, model_dir, resolve_device(device))
     _, heldout = task_examples(cfg)
-    max_tokens = cfg.sampling.max_tokens
-    greedy = evaluate(engine, tok, heldout, max_tokens)
-    out = {
-        "evaluate/accuracy": greedy["accuracy"],
-        "evaluate/response_tokens": greedy["response_tokens"],
-        "evaluate/truncated": greedy["truncated"],
-    }
-    if cfg.eval_samples:
-        sampled = evaluate(
-            engine, tok, heldout, max_tokens, temperature=cfg.sampling.temperature, samples=cfg.eval_samples,
-            seed=cfg.seed,
-        )  # fmt: skip
-        out["evaluate/sampled_accuracy"] = sampled["accuracy"]
-    return out
+    metrics = evaluate_policy(cfg, engine, load_tokenizer(model_dir), heldout)
+    return {f"evaluate/{k}": v for k, v in metrics.items()}

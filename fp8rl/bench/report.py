@@ -146,7 +146,8 @@ def build_comparison_report(
                 f"MLflow runs {missing} are not recipe runs under comparison run {parent_run_id} "
                 f"in experiment {experiment!r} at {tracking_uri}"
             )
-        runs = [r for r in runs if r.run_id in set(run_ids)]
+        wanted = set(run_ids)
+        runs = [r for r in runs if r.run_id in wanted]
     if not runs:
         raise UserError(f"no recipe runs under comparison run {parent_run_id} in experiment {experiment!r}")
     table = markdown_table(runs)

@@ -14,7 +14,9 @@ parameters are bf16 with fp32 masters, which DDP's hooks do not know about).
 Weight sync.  Rank 0 requantizes its weights with the ROLLOUT recipe once and returns the
 payload (FP8 + scales for the quantized linears), which the driver passes by reference
 through the Ray object store to every rollout worker; each loads it in place and can
-verify it holds exactly that payload.
+verify it holds exactly that payload.  With ``RayConfig.sync`` "collective", rank 0 and the
+rollout workers form a process group of their own instead, and rank 0 broadcasts the payload
+in buckets straight into the engines (``fp8rl.sync.nccl``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout
-from fp8rl.sync.nccl import NcclWeightSync, new_sync_group, receive_into
+from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
 from fp8rl.sync.wire import WirePayload, from_wire, to_wire
 from fp8rl.train.trainer import SequenceBatch
 
@@ -54,6 +56,13 @@ def node_address() -> tuple[str, int]:
 
 def _backend(device: torch.device) -> Literal["nccl", "gloo"]:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _join_sync_group(init_method: str, rank: int, world_size: int, device: torch.device) -> SyncGroup:
+    """The weight-sync process group (trainer rank 0 sends, rollout workers receive), beside the data-parallel one."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)  # NCCL ranks need their device set before the first push
+    return new_sync_group(init_method, rank, world_size, _backend(device), COLLECTIVE_TIMEOUT_S)
 
 
 def _set_threads(num_threads: int) -> None:
@@ -79,7 +88,7 @@ class TrainerWorker:
         self.cfg = parse_run_config(cfg_data, "trainer worker config")
         if world_size > 1:
             dist.init_process_group(
-                "nccl" if device.startswith("cuda") else "gloo",
+                _backend(torch.device(device)),
                 init_method=init_method,
                 rank=rank,
                 world_size=world_size,
@@ -88,7 +97,6 @@ class TrainerWorker:
         self.trainer = build_trainer(self.cfg, model_dir, device)
         if world_size > 1:
             self.trainer.optimizer.grad_reducer = self._sum_across_ranks
-        self.fp8_names: set[str] = set()
 
     def _sum_across_ranks(self, grads: list[torch.Tensor]) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -126,12 +134,10 @@ class TrainerWorker:
     def init_sync_group(self, init_method: str, world_size: int, fp8_names: list[str], bucket_mb: int) -> None:
         """Join the sync group as its rank 0 (the sender), beside the data-parallel group."""
         device = self.trainer.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0)
-        self.sync_group = new_sync_group(init_method, 0, world_size, _backend(device), COLLECTIVE_TIMEOUT_S)
+        group = _join_sync_group(init_method, 0, world_size, device)
         self.collective = NcclWeightSync(
-            set(fp8_names), quant_spec(self.cfg), device=device, group=self.sync_group, src=0,
-            bucket_bytes=bucket_mb << 20, verify=self.cfg.verify_sync,
+            set(fp8_names), quant_spec(self.cfg), device=device, group=group, src=0, bucket_bytes=bucket_mb << 20,
+            verify=self.cfg.verify_sync,
         )  # fmt: skip
 
     def free_address(self) -> tuple[str, int]:
@@ -191,11 +197,7 @@ class RolloutWorker:
 
     def init_sync_group(self, init_method: str, rank: int, world_size: int) -> None:
         """Join the sync group as a receiver (rank >= 1)."""
-        if self.engine.device.type == "cuda":
-            torch.cuda.set_device(self.engine.device.index or 0)
-        self.sync_group = new_sync_group(
-            init_method, rank, world_size, _backend(self.engine.device), COLLECTIVE_TIMEOUT_S
-        )
+        self.sync_group = _join_sync_group(init_method, rank, world_size, self.engine.device)
 
     def receive_weights(self, layout: SyncLayout, version: int) -> int:
         """Receive one broadcast push into the engine in place; the sender decides whether to verify."""

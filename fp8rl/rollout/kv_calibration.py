@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-FP8_E4M3_MAX = 448.0
+from fp8rl.quant import E4M3
+
 MIN_AMAX = 1e-6
 _HOOKED = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.self_attn\.(?P<kind>q_proj|k_proj|v_proj|q_norm|k_norm)$")
 _SAMPLE_LIMIT = 1 << 24  # torch.kthvalue on more elements than this is slow; sample evenly instead
@@ -50,7 +51,7 @@ class KVScales:
 
 def scale_from_amax(amax: float, margin: float) -> float:
     """``max(amax, 1e-6) * margin / 448``: the e4m3 scale that maps ``amax * margin`` to the largest FP8 value."""
-    return max(float(amax), MIN_AMAX) * margin / FP8_E4M3_MAX
+    return max(float(amax), MIN_AMAX) * margin / E4M3.max
 
 
 def rope_pair_norms(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -76,7 +77,7 @@ class _Collector:
 
     def __init__(self, model: nn.Module, head_dim: int, quantile: float) -> None:
         self.head_dim, self.quantile = head_dim, quantile
-        self.mask: torch.Tensor | None = None  # [B, T] bool, valid tokens of the current micro-batch
+        self.mask: torch.Tensor | None = None  # [B, T] bool on the model's device, valid tokens of the micro-batch
         self.stats: dict[tuple[int, str], list[float]] = {}  # (layer, q|k|v) -> [quantile, amax]
         targets: dict[tuple[int, str], tuple[str, nn.Module]] = {}
         for name, module in model.named_modules():
@@ -94,7 +95,7 @@ class _Collector:
     def _hook(self, key: tuple[int, str]) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
             assert self.mask is not None
-            x = output[self.mask.to(output.device)]  # [tokens, ...] valid positions only
+            x = output[self.mask.to(output.device)]  # [tokens, ...] valid positions (mask already there: no copy)
             values = rope_pair_norms(x, self.head_dim) if key[1] in "qk" else x.float().abs()
             stat = self.stats.setdefault(key, [0.0, 0.0])
             stat[0] = max(stat[0], high_quantile(values, self.quantile))
@@ -133,10 +134,11 @@ def calibrate_kv_scales(
     try:
         for start in range(0, input_ids.shape[0], rows):
             s = slice(start, start + rows)
-            collector.mask = attention_mask[s].bool()
+            mask = attention_mask[s].to(device)
+            collector.mask = mask.bool()  # moved once here, not once per hooked module
             decoder(
                 input_ids=input_ids[s].to(device),
-                attention_mask=attention_mask[s].to(device),
+                attention_mask=mask,
                 position_ids=position_ids[s].to(device),
                 use_cache=False,
             )
@@ -166,7 +168,7 @@ def kv_scale_metrics(scales: dict[int, KVScales], seconds: float | None = None) 
             out[f"kv/{kind}_scale_min"] = min(vals)
             out[f"kv/{kind}_scale_max"] = max(vals)
     for kind in "kv":
-        ratios = [getattr(s, f"{kind}_amax") / (FP8_E4M3_MAX * getattr(s, kind)) for s in scales.values()]
+        ratios = [getattr(s, f"{kind}_amax") / (E4M3.max * getattr(s, kind)) for s in scales.values()]
         if ratios:
             out[f"kv/{kind}_clip_ratio_max"] = max(ratios)
     if seconds is not None:

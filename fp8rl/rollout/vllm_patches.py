@@ -21,8 +21,10 @@ What is touched and why:
   with host copies ``_q_scale_float``/``_k_scale_float``/``_v_scale_float`` and
   ``_k_scale_cpu``/``_v_scale_cpu`` that other backends read.  vLLM itself only sets them
   from a checkpoint or once on the first forward; RL changes the weights every step.
-- ``shutdown``: ``LLM.llm_engine.shutdown()`` releases the engine's GPU memory and its
-  distributed state, so another engine can start in the same process.
+- ``shutdown`` / ``release_memory``: ``LLM.llm_engine.engine_core.shutdown()`` (0.26's
+  ``LLMEngine`` has no ``shutdown`` of its own), then vLLM's ``cleanup_dist_env_and_memory``
+  frees the engine's GPU memory and its distributed state, so another engine can start in
+  the same process.
 """
 
 from __future__ import annotations

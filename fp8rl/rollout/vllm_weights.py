@@ -34,7 +34,7 @@ from fp8rl.config import Recipe, vllm_recipe_problem
 from fp8rl.errors import UserError
 from fp8rl.models.layers import DECODER_LINEAR_SUFFIXES, kept_layers
 from fp8rl.models.loading import read_model_config
-from fp8rl.quant import QuantizedTensor, get_format
+from fp8rl.quant import E4M3, QuantizedTensor
 from fp8rl.rollout.vllm_patches import VLLMPatchError
 
 FP8_BLOCK = (128, 128)
@@ -191,6 +191,14 @@ def split_param(name: str) -> tuple[str, str]:
     return module, suffix
 
 
+def parts_by_target(layout: Mapping[str, FusedSlice]) -> dict[str, list[tuple[str, FusedSlice]]]:
+    """vLLM fused module -> its HF parts with their slices, in row order."""
+    out: dict[str, list[tuple[str, FusedSlice]]] = {}
+    for hf_module, s in layout.items():
+        out.setdefault(s.target, []).append((hf_module, s))
+    return out
+
+
 def _rows(tensor: torch.Tensor, suffix: str, s: FusedSlice) -> torch.Tensor:
     if suffix == "weight_scale_inv":
         b = FP8_BLOCK[0]
@@ -203,9 +211,7 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
 
     Returns views of ``params`` (no copies).  Vocabulary rows vLLM pads are cut to ``vocab_size``.
     """
-    by_target: dict[str, list[tuple[str, FusedSlice]]] = {}
-    for hf_module, s in layout.items():
-        by_target.setdefault(s.target, []).append((hf_module, s))
+    by_target = parts_by_target(layout)
     flat: dict[str, torch.Tensor] = {}
     for name, tensor in params.items():
         module, suffix = split_param(name)
@@ -215,7 +221,6 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
         else:
             flat[name] = tensor[:vocab_size] if name in VOCAB_PARAMS else tensor
     out: Weights = {}
-    fmt = get_format("e4m3")
     for name, tensor in flat.items():
         module, suffix = split_param(name)
         if suffix == "weight_scale_inv":
@@ -224,7 +229,7 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
             scale = flat.get(f"{module}.weight_scale_inv")
             if scale is None:
                 raise VLLMPatchError(f"{name} is FP8 but vLLM holds no {module}.weight_scale_inv")
-            out[name] = QuantizedTensor(tensor, scale, "block", fmt, FP8_BLOCK)
+            out[name] = QuantizedTensor(tensor, scale, "block", E4M3, FP8_BLOCK)
         else:
             out[name] = tensor
     return out
@@ -257,9 +262,9 @@ def order_by_fused_module(
         if s is not None:
             present.setdefault(s.target, set()).add(module)
     missing = {}
+    parts = parts_by_target(layout)
     for target, have in present.items():
-        parts = [m for m, s in layout.items() if s.target == target]
-        lack = [m for m in parts if m not in have]
+        lack = [m for m, _ in parts[target] if m not in have]
         if lack:
             missing[target] = lack
     return [n for group in groups.values() for n in group], missing

@@ -23,6 +23,7 @@ at memory speed on a GPU.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -54,13 +55,13 @@ class LayoutEntry:
 
     @property
     def data_nbytes(self) -> int:
-        return _numel(self.shape) * _dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
     @property
     def scale_nbytes(self) -> int:
         if self.scale_shape is None or self.scale_dtype is None:
             return 0
-        return _numel(self.scale_shape) * _dtype(self.scale_dtype).itemsize
+        return math.prod(self.scale_shape) * _dtype(self.scale_dtype).itemsize
 
     @property
     def packed_nbytes(self) -> int:
@@ -102,13 +103,6 @@ class Slot:
 class Bucket:
     slots: tuple[Slot, ...]
     nbytes: int
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from fp8rl.quant import QuantizedTensor, QuantSpec
 from fp8rl.rollout.base import RolloutEngine
 from fp8rl.sync.buckets import (
+    Bucket,
     SyncLayout,
     entry_of,
     layout_mismatch,
@@ -131,6 +132,11 @@ class _Header:
         return cls(fingerprint, bucket_bytes, version, bool(verify)) if magic == _MAGIC else None
 
 
+def _bucket_buffer(buckets: list[Bucket], device: torch.device) -> torch.Tensor:
+    """One uint8 buffer that every bucket is packed into (or received into) in turn: the largest's size."""
+    return torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8, device=device)
+
+
 def _raise_for(worst: int, own: BaseException | str | None, when: str) -> None:
     """After an agreement: raise on every rank if any rank failed (its own error if it has one)."""
     if isinstance(own, SyncVerificationError):
@@ -159,7 +165,7 @@ def _send(
     _Header.exchange(group, src, device, _Header(layout.fingerprint, bucket_bytes, version, verify))
     _raise_for(_agree(group, device, _FAILED if problem else _OK), problem, "sync header")
     buckets = plan_buckets(layout, bucket_bytes)
-    buffer = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8, device=device)
+    buffer = _bucket_buffer(buckets, device)
     for bucket in buckets:
         view = buffer[: bucket.nbytes]
         pack_bucket(payload, bucket, view)
@@ -192,7 +198,7 @@ def _receive(
     _raise_for(_agree(group, device, _FAILED if problem else _OK), problem, "sync header")
     assert header is not None
     buckets = plan_buckets(layout, header.bucket_bytes)
-    buffer = torch.empty(max((b.nbytes for b in buckets), default=0), dtype=torch.uint8, device=device)
+    buffer = _bucket_buffer(buckets, device)
     error: BaseException | None = None
     for i, bucket in enumerate(buckets):
         view = buffer[: bucket.nbytes]
@@ -327,19 +333,25 @@ class NcclWeightSync:
         self.src = src
         self.bucket_bytes = bucket_bytes
         self.verify = verify
+        # names and shapes are fixed for a run: the layout (and its fingerprint) is derived once, and
+        # every later push is checked against it
+        self._layout: SyncLayout | None = None
 
     def layout(self, weights: Mapping[str, torch.Tensor]) -> SyncLayout:
         """The layout every push of weights with these names and shapes has (requantizes once)."""
-        return layout_of(requantize_for_rollout(weights, self.fp8_weight_names, self.spec))
+        self._layout = layout_of(requantize_for_rollout(weights, self.fp8_weight_names, self.spec))
+        return self._layout
 
     def push(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats:
         t0 = time.perf_counter()
         payload = requantize_for_rollout(weights, self.fp8_weight_names, self.spec)
         _synchronize(self.device)
         t1 = time.perf_counter()
+        if self._layout is None:
+            self._layout = layout_of(payload)
         broadcast_payload(
             payload,
-            layout_of(payload),
+            self._layout,
             self.src,
             self.group,
             self.device,

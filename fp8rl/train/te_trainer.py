@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.quant import E4M3, QuantizedTensor
-from fp8rl.train.te_recipes import TERecipe, TERecipeError, require_te, te_recipe_for
+from fp8rl.train.te_recipes import TE_BLOCK, TERecipe, TERecipeError, require_te, te_recipe_for
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 TOKEN_ALIGN = 16  # pad FP8 forwards to a multiple of this many positions per sequence
@@ -183,7 +183,7 @@ def te_quantize_as_fp8rl(quantizer: Any, x: torch.Tensor) -> QuantizedTensor:
     t = rowwise(x.contiguous())
     data = t._rowwise_data.view(torch.float8_e4m3fn).reshape(m, k)
     s = t._rowwise_scale_inv
-    kb, mb = -(-k // 128), -(-m // 128)
+    kb, mb = -(-k // TE_BLOCK), -(-m // TE_BLOCK)
     two_d = quantizer.block_scaling_dim == 2
     expected = (mb, -(-kb // 4) * 4) if two_d else (kb, -(-m // 4) * 4)
     if tuple(s.shape) != expected or tuple(data.shape) != (m, k):
@@ -193,9 +193,9 @@ def te_quantize_as_fp8rl(quantizer: Any, x: torch.Tensor) -> QuantizedTensor:
             f"expects scale_inv {expected}"
         )
     if two_d:
-        scale, block = s[:mb, :kb], (128, 128)
+        scale, block = s[:mb, :kb], (TE_BLOCK, TE_BLOCK)
     else:
-        scale, block = s[:kb, :m].t(), (1, 128)
+        scale, block = s[:kb, :m].t(), (1, TE_BLOCK)
     return QuantizedTensor(data.contiguous(), scale.float().contiguous(), "block", E4M3, block)
 
 

@@ -14,8 +14,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fp8rl.atomic import atomic_directory
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
+from fp8rl.models.tiny import pin_tokenizer_class
+from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
 from fp8rl.train.fp8_linear import FP8TrainLinear
@@ -242,10 +245,8 @@ class TorchTrainer:
         self, dst: str | os.PathLike[str], tokenizer: PreTrainedTokenizerBase, overwrite: bool = True
     ) -> None:
         """The policy and its tokenizer as one loadable HF directory, written atomically."""
-        from fp8rl.atomic import atomic_directory
-        from fp8rl.models.tiny import pin_tokenizer_class
-
         with atomic_directory(dst, overwrite=overwrite) as tmp:
             self.save(tmp)
             tokenizer.save_pretrained(tmp)
-            pin_tokenizer_class(tmp)
+            if is_char_tokenizer(tokenizer):  # a real model's tokenizer config is saved as it is
+                pin_tokenizer_class(tmp)

@@ -7,18 +7,12 @@ HTTP into ``--artifacts-destination``; everything is read back through the REST 
 from __future__ import annotations
 
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow_serving import serve_mlflow
 
 from fp8rl.tracking import (
     TOKEN_MULT_PROB_ERROR,
@@ -30,77 +24,14 @@ from fp8rl.tracking import (
     start_parent_run,
 )
 
-MLFLOW = Path(sys.executable).parent / "mlflow"
-STARTUP_TIMEOUT_S = 120  # migrations + uvicorn import take ~15 s on 2 busy cores
 EXPERIMENT = "fp8rl-compare"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    pytest.fail(f"mlflow server not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server (it forwards to its uvicorn child); kill its process group if it hangs."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started (start_new_session)
-        proc.wait(timeout=10)
 
 
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
-    assert MLFLOW.is_file(), f"no mlflow executable next to {sys.executable}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server_dir = tmp_path / "server"
-    server_dir.mkdir()
-    log = server_dir / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    # No telemetry; no GenAI job runner (seven huey consumer processes this test has no use for).
-    env |= {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [
-        str(MLFLOW),
-        "server",
-        "--backend-store-uri",
-        f"sqlite:///{server_dir / 'mlflow.db'}",
-        "--serve-artifacts",
-        "--artifacts-destination",
-        str(server_dir / "artifacts"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=server_dir, start_new_session=True
-        )
-        try:
-            wait_until_healthy(url, proc, log)
-            yield url
-        finally:
-            stop(proc)
+    """``mlflow server`` with a SQLite store and proxied artifacts, started here and stopped (its group) after."""
+    with serve_mlflow(tmp_path / "server") as url:
+        yield url
 
 
 def test_recipe_runs_round_trip_through_a_tracking_server(

@@ -8,72 +8,23 @@ artifacts (the comparison report, the plots) travel through the server's artifac
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow_serving import serve_mlflow
 
 from pipelines.submit import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")]
 
-MLFLOW = Path(sys.executable).parent / "mlflow"
-STARTUP_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
     """``mlflow server`` with a SQLite store and proxied artifacts, started here and stopped (its group) after."""
-    port, server_dir = free_port(), tmp_path / "server"
-    server_dir.mkdir()
-    url, log = f"http://127.0.0.1:{port}", server_dir / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env |= {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    cmd = [
-        str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{server_dir / 'mlflow.db'}", "--serve-artifacts",
-        "--artifacts-destination", str(server_dir / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-        "--workers", "1",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=server_dir, start_new_session=True
-        )
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    pytest.fail(f"mlflow server not healthy after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-                time.sleep(0.25)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group this fixture started
-                proc.wait(timeout=10)
+    with serve_mlflow(tmp_path / "server") as url:
+        yield url
 
 
 def test_benchmark_pipeline_tracks_over_http(

@@ -39,8 +39,7 @@ def test_benchmark_measures_real_steps(tiny_models: dict[str, Path], recipe: str
     assert result.device_name.startswith("CPU")
     assert result.rollout_tokens_per_s > 0 and result.train_tokens_per_s > 0 and result.step_s > 0
     assert 0 < result.response_tokens <= SMALL["grpo"]["group_size"] * 8
-    parts = build_parts(small_cfg(recipe), tiny_models["tiny"], "cpu")
-    bf16_bytes = sum(p.numel() * 2 for p in parts.trainer.model.parameters())
+    bf16_bytes = build_parts(small_cfg(recipe), tiny_models["tiny"], "cpu").bf16_bytes
     # FP8 recipes sync 1-byte weights (+ scales) for the decoder linears; bf16 syncs what it serves
     if recipe == "bf16":
         assert result.sync_bytes > 0.5 * bf16_bytes
@@ -116,7 +115,7 @@ def test_report_reads_the_runs_back(tmp_path: Path) -> None:
     parent, ids = _log_runs(tmp_path, "report")
     uri = configure_mlflow(tmp_path)
     report = build_comparison_report("report", parent, uri, list(ids.values()), appendix_markdown="# Appendix\n")
-    rows = [line for line in report.table.splitlines()[2:]]
+    rows = report.table.splitlines()[2:]
     assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| fp8-e2e"]
     bf16 = dict(zip([h for h, _, _ in COLUMNS], rows[0].split(" | ")[1:], strict=False))
     assert bf16["accuracy start"] == "0.100" and bf16["accuracy end"] == "0.500"

@@ -82,3 +82,27 @@ def test_load_rejects_unsupported_architecture(tmp_path: Path, tiny_models: dict
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UnsupportedModelError, match="not valid JSON"):
         read_model_config(tmp_path)
+
+
+def test_checkpoints_pin_only_the_char_tokenizer(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """The trainer's checkpoint pins the char tokenizer's class; a real model's tokenizer config stays as saved."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from fp8rl.models.tokenizer import is_char_tokenizer
+    from fp8rl.train.trainer import TorchTrainer, TrainerOptions
+
+    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions())
+    char = AutoTokenizer.from_pretrained(str(tiny_models["tiny"]))
+    other = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>")),
+        unk_token="<unk>",
+        model_max_length=32768,
+    )
+    assert is_char_tokenizer(char) and not is_char_tokenizer(other)
+    trainer.save_checkpoint(tmp_path / "char", char)
+    trainer.save_checkpoint(tmp_path / "other", other)
+    pinned = json.loads((tmp_path / "char" / "tokenizer_config.json").read_text())
+    kept = json.loads((tmp_path / "other" / "tokenizer_config.json").read_text())
+    assert (pinned["tokenizer_class"], pinned["model_max_length"]) == ("PreTrainedTokenizerFast", 512)
+    assert kept["model_max_length"] == 32768
