@@ -207,6 +207,12 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=_cmd_train)
 
 
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from fp8rl.bench.kernels import main_with_args
+
+    return main_with_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description="End-to-end FP8 reinforcement learning for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sft)
 
     _add_train_parser(sub)
+
+    bench = sub.add_parser("bench", help="benchmarks (GPU)").add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("kernels", help="FP8 quantization kernels, block GEMMs and the FP8 linear vs BF16 (CUDA)")
+    from fp8rl.bench.kernels import add_arguments as add_kernel_bench_arguments
+
+    add_kernel_bench_arguments(p)
+    p.set_defaults(func=_cmd_bench_kernels)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
     p.add_argument("--work-dir", default="work")

@@ -31,7 +31,9 @@ def fp8_gemm_backend(x: QuantizedTensor, w: QuantizedTensor) -> GemmBackend:
 
     ``scaled_mm`` needs a CUDA device with FP8 tensor cores (sm_89+), e4m3 operands
     with the same granularity, and the alignments cuBLAS asks for: every dimension a
-    multiple of 16, and for 1x128 x 128x128 blocks K and N multiples of 128 on sm_90.
+    multiple of 16, and for block scaling (sm_90 only) K and N multiples of 128 with
+    the activations in 1x128 groups and the weight in 128x128 tiles (forward, dgrad) or
+    1x128 groups too (wgrad, where both operands are grouped along the tokens).
     """
     if not _fp8_tensor_cores(x.data.device) or x.fmt.name != "e4m3" or w.fmt.name != "e4m3":
         return "emulated"
@@ -42,25 +44,57 @@ def fp8_gemm_backend(x: QuantizedTensor, w: QuantizedTensor) -> GemmBackend:
     if m % 16 or k % 16 or n % 16:
         return "emulated"
     if x.granularity == "block":
-        if x.block != (1, 128) or w.block != (128, 128) or k % 128 or n % 128:
+        if x.block != (1, 128) or w.block not in ((128, 128), (1, 128)) or k % 128 or n % 128:
             return "emulated"
         if torch.cuda.get_device_capability(x.data.device)[0] != 9:
             return "emulated"  # cuBLAS 1x128 x 128x128 block scaling is a Hopper feature
     return "scaled_mm"
 
 
-def _block_scales_for_cublas(x: QuantizedTensor, w: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # cuBLAS on sm_90 wants the 1x128 activation scales "outer-dim major" ([M, K/128]
-    # with stride (1, M)) and the 128x128 weight scales as [K/128 padded to 4, N/128]
-    # outer-dim major, as torch's own scaled_mm tests lay them out.
-    m = x.data.shape[0]
-    n_blocks, k_blocks = w.scale_inv.shape
-    scale_a = x.scale_inv.t().contiguous().t()
+def outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """1x128 group scales ``[rows, K/128]`` laid out with stride ``(1, rows)``, as cuBLAS reads them (no copy if so)."""
+    return scale.t().contiguous().t()
+
+
+def tile_scale_buffer(n_blocks: int, k_blocks: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zeroed buffer for 128x128 tile scales in cuBLAS's layout: ``(view [n_blocks, k_blocks], for_cublas)``.
+
+    cuBLAS on sm_90 reads 128x128 weight scales as ``[ceil4(K/128), N/128]`` with stride ``(1, ceil4(K/128))``
+    (the K-block count padded to a multiple of 4).  Quantizers write the row-major ``view``; the GEMM gets
+    ``for_cublas``.  Both alias one allocation.
+    """
     padded_k = 4 * math.ceil(k_blocks / 4)
-    scale_b = torch.zeros(n_blocks, padded_k, dtype=torch.float32, device=w.scale_inv.device)
-    scale_b[:, :k_blocks] = w.scale_inv
-    assert scale_a.shape == (m, k_blocks)
-    return scale_a, scale_b.t()
+    buf = torch.zeros(n_blocks, padded_k, dtype=torch.float32, device=device)
+    return buf[:, :k_blocks], buf.t()
+
+
+def tile_scales_for_cublas(scale: torch.Tensor) -> torch.Tensor:
+    """128x128 tile scales ``[N/128, K/128]`` copied into cuBLAS's padded layout (see ``tile_scale_buffer``)."""
+    view, for_cublas = tile_scale_buffer(scale.shape[0], scale.shape[1], scale.device)
+    view.copy_(scale)
+    return for_cublas
+
+
+def block_scaled_mm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, b_tiles: bool
+) -> torch.Tensor:
+    """``A @ B.T`` in bf16 from block-scaled e4m3 operands on sm_90 (cuBLAS through ``F.scaled_mm``).
+
+    ``a [M, K]`` with 1x128 scales ``a_scale [M, K/128]`` of stride ``(1, M)``; ``b [N, K]`` with either
+    128x128 tile scales in cuBLAS's layout (``b_tiles``; ``tile_scale_buffer``) or 1x128 group scales
+    ``[N, K/128]`` of stride ``(1, N)``.  M, N multiples of 16, K and N multiples of 128.
+    """
+    return F.scaled_mm(
+        a,
+        b.t(),
+        a_scale,
+        F.ScalingType.BlockWise1x128,
+        b_scale,
+        F.ScalingType.BlockWise128x128 if b_tiles else F.ScalingType.BlockWise1x128,
+        swizzle_a=F.SwizzleType.NO_SWIZZLE,
+        swizzle_b=F.SwizzleType.NO_SWIZZLE,
+        output_dtype=torch.bfloat16,
+    )
 
 
 def _scaled_mm(x: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -71,19 +105,9 @@ def _scaled_mm(x: QuantizedTensor, w: QuantizedTensor, out_dtype: torch.dtype) -
         # cuBLAS row-wise scaling produces bf16 only.
         out = torch._scaled_mm(x.data, mat_b, x.scale_inv, w.scale_inv.reshape(1, -1), out_dtype=torch.bfloat16)
         return out.to(out_dtype)
-    scale_a, scale_b = _block_scales_for_cublas(x, w)
-    out = F.scaled_mm(
-        x.data,
-        mat_b,
-        scale_a,
-        F.ScalingType.BlockWise1x128,
-        scale_b,
-        F.ScalingType.BlockWise128x128,
-        swizzle_a=F.SwizzleType.NO_SWIZZLE,
-        swizzle_b=F.SwizzleType.NO_SWIZZLE,
-        output_dtype=torch.bfloat16,
-    )
-    return out.to(out_dtype)
+    tiles = w.block == (128, 128)
+    scale_b = tile_scales_for_cublas(w.scale_inv) if tiles else outer_major(w.scale_inv)
+    return block_scaled_mm(x.data, outer_major(x.scale_inv), w.data, scale_b, tiles).to(out_dtype)
 
 
 def fp8_gemm(

@@ -9,11 +9,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from fp8rl.quant import kernels
 from fp8rl.quant.formats import FP8Format, get_format
 from fp8rl.quant.scaling import scale_from_amax
 
 Granularity = Literal["tensor", "row", "block"]
 GRANULARITIES: tuple[str, ...] = ("tensor", "row", "block")
+# "auto": the fused Triton kernels for CUDA tensors on FP8-capable GPUs, the torch reference elsewhere;
+# "torch": always the reference (the GPU tests compare the two); "triton": the kernels or an error.
+QuantBackend = Literal["auto", "torch", "triton"]
 
 
 class NonFiniteError(ValueError):
@@ -82,32 +86,78 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     return (x / scale).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
 
 
-def _require_float(x: torch.Tensor) -> torch.Tensor:
+def _check_dtype(x: torch.Tensor) -> None:
     if not x.dtype.is_floating_point or x.element_size() == 1:
         raise TypeError(f"can only quantize float16/bfloat16/float32/float64 tensors, got {x.dtype}")
+
+
+def _require_float(x: torch.Tensor) -> torch.Tensor:
+    _check_dtype(x)
     return x.to(torch.float32)
 
 
-def quantize_tensorwise(x: torch.Tensor, fmt: str | FP8Format = "e4m3", pow2: bool = False) -> QuantizedTensor:
+def _use_kernels(x: torch.Tensor, backend: QuantBackend, block: tuple[int, int] | None = None) -> bool:
+    """Whether this call runs the fused kernels (``fp8rl.quant.kernels``) rather than the torch reference."""
+    _check_dtype(x)
+    fits = (
+        kernels.kernels_available(x) and x.dtype != torch.float64 and (block is None or kernels.supports_block(block))
+    )
+    if backend == "triton" and not fits:
+        raise ValueError(
+            f"backend='triton' needs a float16/bfloat16/float32 CUDA tensor on an sm_89+ GPU with Triton and "
+            f"power-of-two blocks up to 128 (got {x.dtype} on {x.device}, block {block})"
+        )
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return backend != "torch" and fits
+
+
+def quantize_tensorwise(
+    x: torch.Tensor,
+    fmt: str | FP8Format = "e4m3",
+    pow2: bool = False,
+    *,
+    backend: QuantBackend = "auto",
+    check_finite: bool = True,
+) -> QuantizedTensor:
     """One scale for the whole tensor; ``scale_inv`` has shape ``()``."""
     f = get_format(fmt)
+    if _use_kernels(x, backend):
+        q, scale, amax = kernels.quantize_tensor(x, f, pow2)
+        if check_finite:
+            _check_finite(amax, "quantize_tensorwise")
+        return QuantizedTensor(q, scale, "tensor", f)
     xf = _require_float(x)
     amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
-    _check_finite(amax, "quantize_tensorwise")
+    if check_finite:
+        _check_finite(amax, "quantize_tensorwise")
     scale = scale_from_amax(amax, f, pow2)
     return QuantizedTensor(_cast(xf, scale, f), scale, "tensor", f)
 
 
-def quantize_rowwise(x: torch.Tensor, fmt: str | FP8Format = "e4m3", pow2: bool = False) -> QuantizedTensor:
+def quantize_rowwise(
+    x: torch.Tensor,
+    fmt: str | FP8Format = "e4m3",
+    pow2: bool = False,
+    *,
+    backend: QuantBackend = "auto",
+    check_finite: bool = True,
+) -> QuantizedTensor:
     """One scale per row of the last dimension; ``scale_inv`` has shape ``[..., 1]``.
 
     For a weight ``[out, in]`` this is per output channel; for activations
     ``[tokens, in]`` it is per token.
     """
     f = get_format(fmt)
+    if x.dim() >= 1 and _use_kernels(x, backend):
+        q, scale = kernels.quantize_rows(x, f, pow2)
+        if check_finite:
+            _check_finite(scale, "quantize_rowwise")
+        return QuantizedTensor(q, scale, "row", f)
     xf = _require_float(x)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    _check_finite(amax, "quantize_rowwise")
+    if check_finite:
+        _check_finite(amax, "quantize_rowwise")
     scale = scale_from_amax(amax, f, pow2)
     return QuantizedTensor(_cast(xf, scale, f), scale, "row", f)
 
@@ -117,6 +167,9 @@ def quantize_blockwise(
     block: tuple[int, int] = (128, 128),
     fmt: str | FP8Format = "e4m3",
     pow2: bool = False,
+    *,
+    backend: QuantBackend = "auto",
+    check_finite: bool = True,
 ) -> QuantizedTensor:
     """Quantize in tiles of ``block`` over the last two dimensions.
 
@@ -128,11 +181,21 @@ def quantize_blockwise(
     """
     f = get_format(fmt)
     br, bc = block
-    xf = _require_float(x)
-    if br != 1 and xf.dim() != 2:
+    if br != 1 and x.dim() != 2:
         raise ValueError(f"{br}x{bc} block quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
-    if xf.dim() == 0:
+    if x.dim() == 0:
         raise ValueError("block quantization needs at least one dimension")
+    if _use_kernels(x, backend, block):
+        if br == 1:
+            q, scale, _, _ = kernels.quantize_groups(x.reshape(-1, x.shape[-1]), f, pow2, bc)
+            assert q is not None and scale is not None
+            q, scale = q.view(x.shape), scale.view(*x.shape[:-1], scale.shape[-1])
+        else:
+            q, scale, _, _ = kernels.quantize_tiles(x, f, pow2, block)
+        if check_finite:
+            _check_finite(scale, "quantize_blockwise")
+        return QuantizedTensor(q, scale, "block", f, (br, bc))
+    xf = _require_float(x)
     lead = xf.shape[:-1]
     cols = xf.shape[-1]
     x2 = xf.reshape(-1, cols)
@@ -141,7 +204,8 @@ def quantize_blockwise(
     padded = F.pad(x2, (0, n_c * bc - cols, 0, n_r * br - rows))
     tiles = padded.view(n_r, br, n_c, bc)
     amax = tiles.abs().amax(dim=(1, 3))
-    _check_finite(amax, "quantize_blockwise")
+    if check_finite:
+        _check_finite(amax, "quantize_blockwise")
     scale = scale_from_amax(amax, f, pow2)
     q = _cast(tiles, scale[:, None, :, None], f).view(n_r * br, n_c * bc)[:rows, :cols]
     q = q.reshape(*lead, cols).contiguous()
@@ -156,25 +220,53 @@ def quantize(
     fmt: str | FP8Format = "e4m3",
     block: tuple[int, int] = (128, 128),
     pow2: bool = False,
+    *,
+    backend: QuantBackend = "auto",
+    check_finite: bool = True,
 ) -> QuantizedTensor:
-    """Quantize ``x`` at ``granularity`` (``block`` is used only for ``"block"``)."""
+    """Quantize ``x`` at ``granularity`` (``block`` is used only for ``"block"``).
+
+    ``backend="auto"`` runs the fused kernels on CUDA (same bytes as the reference, tested on the GPU).
+    ``check_finite=False`` skips the NaN/Inf check, which costs a device synchronisation per call on
+    CUDA; a non-finite input then gives a non-finite scale instead of an error (callers that quantize
+    many tensors check the scales once, see ``check_scales_finite``).
+    """
     if granularity == "tensor":
-        return quantize_tensorwise(x, fmt, pow2)
+        return quantize_tensorwise(x, fmt, pow2, backend=backend, check_finite=check_finite)
     if granularity == "row":
-        return quantize_rowwise(x, fmt, pow2)
+        return quantize_rowwise(x, fmt, pow2, backend=backend, check_finite=check_finite)
     if granularity == "block":
-        return quantize_blockwise(x, block, fmt, pow2)
+        return quantize_blockwise(x, block, fmt, pow2, backend=backend, check_finite=check_finite)
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
-def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
+def quantize_weight(
+    w: torch.Tensor, spec: QuantSpec, *, backend: QuantBackend = "auto", check_finite: bool = True
+) -> QuantizedTensor:
     """Quantize a weight ``[out, in]`` per ``spec`` (128x128 tiles for ``block``)."""
-    return quantize(w, spec.granularity, spec.fmt, spec.weight_block, spec.pow2_scales)
+    return quantize(
+        w, spec.granularity, spec.fmt, spec.weight_block, spec.pow2_scales, backend=backend, check_finite=check_finite
+    )
 
 
-def quantize_activation(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
+def quantize_activation(
+    x: torch.Tensor, spec: QuantSpec, *, backend: QuantBackend = "auto", check_finite: bool = True
+) -> QuantizedTensor:
     """Quantize activations or gradients ``[..., K]`` per ``spec`` (1 x act_block groups)."""
-    return quantize(x, spec.granularity, spec.fmt, (1, spec.act_block), spec.pow2_scales)
+    return quantize(
+        x, spec.granularity, spec.fmt, (1, spec.act_block), spec.pow2_scales, backend=backend, check_finite=check_finite
+    )
+
+
+def check_scales_finite(tensors: list[QuantizedTensor], what: str) -> None:
+    """One NaN/Inf check (one device synchronisation) over many quantized tensors' scales."""
+    if not tensors:
+        return
+    bad = torch.stack([(~torch.isfinite(q.scale_inv)).sum() for q in tensors])
+    if bool(bad.any()):
+        raise NonFiniteError(
+            f"{what}: input holds NaN or Inf ({int(bad.sum())} scale group(s) affected); refusing to quantize"
+        )
 
 
 def expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] | None) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The weight is stored as ``float8_e4m3fn`` with its ``weight_scale_inv`` (the block-FP8
 checkpoint layout), so weight memory really halves.  Each forward quantizes the input per
 the recipe (1x128 groups for ``block``, per token for ``row``) and calls ``fp8_gemm``.
-Weights are replaced in place (``load_``), never re-allocated.
+Weights are replaced in place (``load_``), never re-allocated.  On Hopper with the block recipe the
+forward is the fused path of ``fp8rl.quant.block_linear`` (one Triton pass quantizes the input, a
+cuBLAS block GEMM reads the weight's scales from a copy kept in cuBLAS's layout, refreshed on load).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 from torch import nn
 
 from fp8rl.quant import QuantizedTensor, QuantSpec, fp8_gemm, get_format, quantize_activation, quantize_weight
+from fp8rl.quant.block_linear import block_linear_supported, block_mm, quantize_block_input
+from fp8rl.quant.gemm import tile_scales_for_cublas
 
 
 class FP8InferenceLinear(nn.Module):
@@ -28,6 +32,7 @@ class FP8InferenceLinear(nn.Module):
         self.register_buffer("weight_scale_inv", q.scale_inv)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._block = q.block
+        self._scale_cublas: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> FP8InferenceLinear:
@@ -52,9 +57,28 @@ class FP8InferenceLinear(nn.Module):
             )
         self.weight.copy_(q.data)
         self.weight_scale_inv.copy_(q.scale_inv)
+        self._scale_cublas = None
+
+    def _fused_weight_scale(self) -> torch.Tensor | None:
+        """The weight's tile scales in cuBLAS's layout when the fused path applies (made once per load)."""
+        if not block_linear_supported(self.in_features, self.out_features, self.spec, self.weight.device):
+            return None
+        s = self._scale_cublas
+        if s is None or s.device != self.weight.device:
+            s = self._scale_cublas = tile_scales_for_cublas(self.weight_scale_inv)
+        return s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        w_scale = self._fused_weight_scale()
+        if w_scale is not None:
+            x2 = x.reshape(-1, self.in_features)
+            xb, xs, _, _ = quantize_block_input(x2, self.spec, rowwise=True, colwise=False)
+            assert xb is not None and xs is not None
+            out = block_mm(xb, xs, self.weight, w_scale, x2.shape[0])
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+            return out.to(x.dtype).reshape(*lead, self.out_features)
         xq = quantize_activation(x.reshape(-1, self.in_features), self.spec)
         out = fp8_gemm(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias)
         return out.reshape(*lead, self.out_features)

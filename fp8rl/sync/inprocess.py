@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_weight
+from fp8rl.quant.quantize import check_scales_finite
 from fp8rl.rollout.base import RolloutEngine
 
 Payload = dict[str, torch.Tensor | QuantizedTensor]
@@ -39,10 +40,21 @@ def requantize_for_rollout(
     spec: QuantSpec,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Payload:
-    """FP8 (``QuantizedTensor``) for ``fp8_weight_names``, ``dtype`` copies for everything else."""
+    """FP8 (``QuantizedTensor``) for ``fp8_weight_names``, ``dtype`` copies for everything else.
+
+    On CUDA each weight is one fused kernel launch; the NaN/Inf check runs once over all scales (one
+    device synchronisation for the whole model, not one per weight) and raises ``NonFiniteError``.
+    """
     out: Payload = {}
+    quantized: list[QuantizedTensor] = []
     for name, w in weights.items():
-        out[name] = quantize_weight(w, spec) if name in fp8_weight_names else w.to(dtype)
+        if name in fp8_weight_names:
+            q = quantize_weight(w, spec, check_finite=False)
+            quantized.append(q)
+            out[name] = q
+        else:
+            out[name] = w.to(dtype)
+    check_scales_finite(quantized, "requantize_for_rollout")
     return out
 
 

@@ -7,10 +7,19 @@ quantizes each operand along its own reduction dimension:
     dgrad    dX[M,K] = dY[M,N] @ W^T[K,N]^T dY: 1x128 along N,       W^T: 128x128 tiles
     wgrad    dW[N,K] = dY^T[N,M] @ X^T[K,M]^T  dY^T and X^T: 1x128 along M (tokens)
 
-All of it goes through ``fp8rl.quant`` (``fp8_gemm``: tensor cores on Hopper, exact
-emulation on CPU), so a weight quantizes to the same bytes here as in the rollout engine
-and in the converted checkpoint.  The module holds the weight in the model's dtype
-(bf16); master weights live in the optimizer (``fp8rl.train.optim``).
+All of it goes through ``fp8rl.quant``, so a weight quantizes to the same bytes here as in the
+rollout engine and in the converted checkpoint.  Two paths compute the same FP8 operands:
+
+- fused (CUDA, Hopper, block recipe, K and N multiples of 128; ``fp8rl.quant.block_linear``):
+  one Triton pass over X gives its 1x128 copy for the forward and its transposed copy for the
+  wgrad (kept for the backward instead of X); one pass over dY gives both of its copies; the
+  weight and its transpose are quantized once per weight version (once per optimizer step, not
+  per micro-batch) and cached on the module; the GEMMs are cuBLAS block-scaled GEMMs.
+- reference (everything else, the CPU): the torch quantizers and ``fp8_gemm`` (tensor cores
+  where cuBLAS takes the operands, exact emulation on CPU).
+
+The module holds the weight in the model's dtype (bf16); master weights live in the optimizer
+(``fp8rl.train.optim``).  The cached FP8 weight and its transpose cost 2 bytes per parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +30,14 @@ import torch
 from torch import nn
 
 from fp8rl.quant import QuantSpec, fp8_gemm, quantize_activation, quantize_weight
+from fp8rl.quant.block_linear import (
+    BlockWeight,
+    block_linear_supported,
+    block_mm,
+    block_wgrad,
+    quantize_block_input,
+    quantize_block_weight,
+)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -51,8 +68,57 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+class _FusedBlockFP8LinearFunction(torch.autograd.Function):
+    """The fused path (see the module docstring); the weight's FP8 operands come in pre-quantized."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        wq: BlockWeight,
+        spec: QuantSpec,
+        need_wgrad: bool,  # decided by the caller: grad mode is always off inside forward
+    ) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        xq, xs, xqt, xst = quantize_block_input(x2, spec, rowwise=True, colwise=need_wgrad)
+        assert xq is not None and xs is not None
+        out = block_mm(xq, xs, wq.q, wq.scale_cublas, m)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.save_for_backward(xqt, xst)
+        ctx.wq, ctx.spec, ctx.m, ctx.has_bias = wq, spec, m, bias is not None
+        ctx.weight_dtype = weight.dtype
+        return out.to(x.dtype).reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xqt, xst = ctx.saved_tensors
+        wq: BlockWeight = ctx.wq
+        n = wq.q.shape[0]
+        g2 = grad_out.reshape(-1, n)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gq, gs, gqt, gst = quantize_block_input(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
+        grad_x = grad_w = grad_b = None
+        if need_dgrad:
+            assert wq.qt is not None and wq.scale_t_cublas is not None and gq is not None and gs is not None
+            grad_x = block_mm(gq, gs, wq.qt, wq.scale_t_cublas, ctx.m).to(grad_out.dtype)
+            grad_x = grad_x.reshape(*grad_out.shape[:-1], wq.q.shape[1])
+        if need_wgrad:
+            assert gqt is not None and gst is not None and xqt is not None
+            grad_w = block_wgrad(gqt, gst, xqt, xst).to(ctx.weight_dtype)
+        if ctx.has_bias:
+            grad_b = g2.sum(0).to(ctx.weight_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 class FP8TrainLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run in FP8 per ``spec``; parameters unchanged (same names)."""
+
+    _fused_weight: BlockWeight | None = None  # the fused path's FP8 weight operands, per weight version
 
     def __init__(self, in_features: int, out_features: int, bias: bool, spec: QuantSpec, **kw: Any) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
@@ -65,10 +131,28 @@ class FP8TrainLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias  # share the Parameters
         new.spec = spec
+        new._fused_weight = None
         return new
 
+    def _block_weight(self) -> BlockWeight | None:
+        """The weight's fused-path operands, re-quantized only when the weight changed (its version counter)."""
+        w = self.weight
+        if not block_linear_supported(self.in_features, self.out_features, self.spec, w.device):
+            return None
+        cached: BlockWeight | None = getattr(self, "_fused_weight", None)
+        if cached is None or cached.key != (w.data_ptr(), w._version):
+            with torch.no_grad():
+                cached = quantize_block_weight(w.detach(), self.spec, transpose=True)
+            self._fused_weight = cached
+        return cached
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FP8LinearFunction.apply(x.to(self.weight.dtype), self.weight, self.bias, self.spec)
+        x = x.to(self.weight.dtype)
+        wq = self._block_weight()
+        if wq is not None:
+            need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
+            return _FusedBlockFP8LinearFunction.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.spec)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.spec.granularity}"

@@ -1,0 +1,276 @@
+"""FP8 kernel benchmark: quantization bandwidth, block-scaled GEMMs and the FP8 linear, FP8 next to BF16.
+
+Every row is measured in the same process on the same device: the BF16 baseline, the reference (torch)
+quantizer, the fused kernels, cuBLAS block GEMMs, and ``FP8TrainLinear`` forward + backward against
+``nn.Linear``.  Roofline figures come with each row: achieved GB/s against a device-to-device copy
+measured in the same run (bytes read + written), and TFLOP/s.
+
+    python -m fp8rl.bench.kernels --shapes 8192x14336x4096,8192x4096x4096 --json out.json
+    fp8rl bench kernels ...   (the same)
+
+Needs a CUDA GPU with FP8 tensor cores; the block GEMM and the fused linear need sm_90 (Hopper).
+Times are the median of CUDA-event timings after warm-up; inputs are bf16 N(0, 1), weights N(0, 0.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# torch is imported inside the functions: the `fp8rl` command builds its parser from this module
+# and must stay quick to start.
+
+DEFAULT_SHAPES = "8192x14336x4096,8192x4096x4096,4096x4096x4096,256x1536x1536"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"MxNxK,..."`` -> ``[(M, N, K), ...]``; a clear error naming the bad item."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--shapes: {item!r} is not MxNxK with positive integers (e.g. 8192x4096x4096)")
+        m, n, k = (int(p) for p in parts)
+        shapes.append((m, n, k))
+    return shapes
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events around each call)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus written (the memory roofline)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=10)
+    return 2 * nbytes / ms / 1e6
+
+
+def _quant_rows(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
+    import torch
+
+    from fp8rl.quant import QuantSpec, kernels, quantize_activation, quantize_weight
+    from fp8rl.quant.formats import E4M3
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    n_el = m * k
+    groups = math.ceil(k / 128)
+    spec = QuantSpec()
+    # (name, fn, minimal bytes: input read once + outputs written once)
+    cases: list[tuple[str, Callable[[], object], int]] = [
+        ("act 1x128 reference (torch)", lambda: quantize_activation(x, spec, backend="torch"), 2 * n_el + n_el + 4 * m * groups),
+        ("act 1x128 fused", lambda: kernels.quantize_groups(x, E4M3, False, 128), 2 * n_el + n_el + 4 * m * groups),
+        ("act 1x128 + transposed fused", lambda: kernels.quantize_groups(x, E4M3, False, 128, colwise=True),
+         2 * n_el + 2 * n_el + 4 * (m * groups + k * math.ceil(m / 128))),
+        ("weight 128x128 reference (torch)", lambda: quantize_weight(x, spec, backend="torch"), 3 * n_el),
+        ("weight 128x128 fused", lambda: kernels.quantize_tiles(x, E4M3, False), 3 * n_el),
+        ("weight 128x128 + transposed fused", lambda: kernels.quantize_tiles(x, E4M3, False, transpose=True), 4 * n_el),
+        ("row fused", lambda: kernels.quantize_rows(x, E4M3, False), 3 * n_el + 4 * m),
+        ("tensor fused (2 passes)", lambda: kernels.quantize_tensor(x, E4M3, False), 3 * n_el),
+    ]  # fmt: skip
+    rows = []
+    for name, fn, nbytes in cases:
+        ms = time_ms(fn)
+        gbs = nbytes / ms / 1e6
+        rows.append({"shape": [m, k], "kernel": name, "ms": ms, "gb_per_s": gbs, "fraction_of_copy": gbs / copy_gbs})
+    return rows
+
+
+def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
+    import torch
+
+    from fp8rl.quant import QuantSpec, fp8_gemm, quantize_activation, quantize_weight
+    from fp8rl.quant.block_linear import quantize_block_input, quantize_block_weight
+    from fp8rl.quant.gemm import block_scaled_mm, outer_major
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    flop = 2 * m * n * k
+    out: dict[str, Any] = {"mnk": [m, n, k]}
+    out["bf16_ms"] = time_ms(lambda: x @ w.t())
+    spec = QuantSpec()
+    tq = quantize_activation(x, QuantSpec(granularity="tensor"))
+    tw = quantize_weight(w, QuantSpec(granularity="tensor"))
+    out["fp8_tensor_gemm_ms"] = time_ms(lambda: fp8_gemm(tq, tw))
+    if torch.cuda.get_device_capability()[0] == 9 and k % 128 == 0 and n % 128 == 0:
+        bw = quantize_block_weight(w, spec, transpose=False)
+        xq, xs, _, _ = quantize_block_input(x, spec, rowwise=True, colwise=False)
+        assert xq is not None and xs is not None
+        out["fp8_block_gemm_ms"] = time_ms(lambda: block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True))
+        out["act_quant_fused_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=False))
+        out["act_quant_reference_ms"] = time_ms(lambda: quantize_activation(x, spec, backend="torch"))
+        # wgrad-shaped: both operands 1x128-grouped along the contraction (here K plays the token role)
+        wq = quantize_activation(w, spec)
+        out["fp8_block_1x128x1x128_gemm_ms"] = time_ms(
+            lambda: block_scaled_mm(xq[:m], xs, wq.data, outer_major(wq.scale_inv), False)
+        )
+        fast = block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True)[:m].float()
+        ref = fp8_gemm(quantize_activation(x, spec), quantize_weight(w, spec), torch.float32, backend="emulated")
+        out["block_rel_diff_vs_emulation"] = ((fast - ref).norm() / ref.norm()).item()
+        out["block_speedup_gemm_only"] = out["bf16_ms"] / out["fp8_block_gemm_ms"]
+        out["block_speedup_incl_quant"] = out["bf16_ms"] / (out["fp8_block_gemm_ms"] + out["act_quant_fused_ms"])
+        out["tflops_bf16"] = flop / out["bf16_ms"] / 1e9
+        out["tflops_fp8_block"] = flop / out["fp8_block_gemm_ms"] / 1e9
+    return out
+
+
+def _linear_row(m: int, n: int, k: int) -> dict[str, Any]:
+    import torch
+
+    from fp8rl.quant import QuantSpec
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    fp8 = FP8TrainLinear.from_linear(
+        torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), QuantSpec()
+    )
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step(mod: torch.nn.Linear, bump: bool = False) -> Callable[[], None]:
+        def run() -> None:
+            if bump:  # a new weight version: the fused path re-quantizes W (as after every optimizer step)
+                with torch.no_grad():
+                    mod.weight.mul_(1.0)
+            mod(x).backward(g)
+            x.grad = None
+            mod.weight.grad = None
+
+        return run
+
+    out: dict[str, Any] = {"mnk": [m, n, k], "fused": fp8._block_weight() is not None}
+    out["bf16_ms"] = time_ms(step(base))
+    out["fp8_ms"] = time_ms(step(fp8))
+    out["fp8_weight_requantized_each_call_ms"] = time_ms(step(fp8, bump=True))
+    out["speedup"] = out["bf16_ms"] / out["fp8_ms"]
+    out["speedup_weight_requantized"] = out["bf16_ms"] / out["fp8_weight_requantized_each_call_ms"]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step(fp8)()
+    out["fp8_enqueue_ms"] = (time.perf_counter() - t0) / 10 * 1e3  # host time incl. sync-free launches
+    torch.cuda.synchronize()
+    out["tflops_bf16"] = 3 * 2 * m * n * k / out["bf16_ms"] / 1e9
+    out["tflops_fp8"] = 3 * 2 * m * n * k / out["fp8_ms"] / 1e9
+    return out
+
+
+def run(shapes: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("fp8rl bench kernels needs a CUDA GPU")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    copy_gbs = copy_bandwidth_gbs()
+    result: dict[str, Any] = {
+        "device": props.name,
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "copy_gb_per_s": copy_gbs,
+        "quant": [],
+        "gemm": [],
+        "linear": [],
+    }
+    seen: set[tuple[int, int]] = set()
+    for m, n, k in shapes:
+        for mk in ((m, k), (m, n)):
+            if mk not in seen:
+                seen.add(mk)
+                result["quant"].extend(_quant_rows(*mk, copy_gbs))
+        result["gemm"].append(_gemm_rows(m, n, k))
+        result["linear"].append(_linear_row(m, n, k))
+        torch.cuda.empty_cache()
+    return result
+
+
+def format_tables(r: dict[str, Any]) -> str:
+    lines = [
+        f"device {r['device']}, torch {r['torch']}, copy bandwidth {r['copy_gb_per_s']:.0f} GB/s (read + write)",
+        "",
+    ]
+    lines += ["| shape | quantizer | ms | GB/s | of copy |", "|---|---|---|---|---|"]
+    for q in r["quant"]:
+        lines.append(
+            f"| {q['shape'][0]}x{q['shape'][1]} | {q['kernel']} | {q['ms']:.3f} | {q['gb_per_s']:.0f} | {q['fraction_of_copy']:.0%} |"
+        )
+    lines += ["", "| M x N x K | BF16 ms | FP8 block GEMM ms | fused act quant ms | FP8 incl. quant vs BF16 | GEMM only | 1x128x1x128 ms | TFLOP/s bf16 / fp8 |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for g in r["gemm"]:
+        if "fp8_block_gemm_ms" not in g:
+            continue
+        lines.append(
+            f"| {'x'.join(map(str, g['mnk']))} | {g['bf16_ms']:.3f} | {g['fp8_block_gemm_ms']:.3f} | {g['act_quant_fused_ms']:.3f} "
+            f"| {g['block_speedup_incl_quant']:.2f}x | {g['block_speedup_gemm_only']:.2f}x | {g['fp8_block_1x128x1x128_gemm_ms']:.3f} "
+            f"| {g['tflops_bf16']:.0f} / {g['tflops_fp8_block']:.0f} |"
+        )
+    lines += ["", "| M x N x K | BF16 linear fwd+bwd ms | FP8 fwd+bwd ms | speedup | W requantized each call: ms, speedup |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for li in r["linear"]:
+        lines.append(
+            f"| {'x'.join(map(str, li['mnk']))} | {li['bf16_ms']:.3f} | {li['fp8_ms']:.3f} | {li['speedup']:.2f}x "
+            f"| {li['fp8_weight_requantized_each_call_ms']:.3f}, {li['speedup_weight_requantized']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated MxNxK list (default {DEFAULT_SHAPES})")
+    p.add_argument("--json", default=None, help="write the full results here (written to a temp file, then renamed)")
+
+
+def main_with_args(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        print(f"fp8rl bench kernels: error: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("fp8rl bench kernels: error: needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    result = run(shapes)
+    print(format_tables(result))
+    if args.json:
+        dst = Path(args.json)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(dst)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fp8rl bench kernels", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return main_with_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Fused FP8 quantization kernels (Triton) for CUDA tensors: one pass over the input.
+
+The torch code in :mod:`fp8rl.quant.quantize` is the reference; these kernels compute the same
+function and are tested byte for byte against it on the GPU (``tests/gpu/test_quant_kernels.py``).
+They do the same float32 arithmetic in the same order, so the bytes agree exactly:
+
+    amax = max |x| over the group            (float32; order-free, so exact; NaN counts as +inf)
+    s    = div_rn(max(amax, 1e-10), fmt_max)  IEEE division, as the reference's tensor division
+    s    = 2^ceil(log2 s)                     on the float32 bit pattern (``pow2``)
+    q    = rtne(clamp(div_rn(x, s), +-fmt_max))
+
+Why fused: the reference makes a padded float32 copy, an ``abs``, a reduction, a division, a clamp
+and a cast, each a pass over memory (about 5% of the copy bandwidth on an H100 for an 8192x4096
+activation).  Here each program loads one tile once, reduces it in registers and writes the FP8
+bytes and the scales, so a quantization moves the input once and the outputs once.
+
+Kernels (each a function below):
+    quantize_groups   ``[R, C]`` in 1 x G groups along C (activations, gradients; the forward and
+                      dgrad GEMMs) and, in the same pass, the transpose ``[C, R]`` in 1 x G groups
+                      along R (the wgrad GEMM contracts over tokens, so it needs both operands
+                      grouped along R).  Rows may be padded with zeros to a multiple the GEMM needs.
+    quantize_tiles    ``[R, C]`` in Br x Bc tiles (weights) and optionally the transposed bytes
+                      (the dgrad GEMM's W^T: square tiles make quantize(W^T) == quantize(W)^T).
+    quantize_rows     one scale per row (two passes over the row; the second mostly hits L2).
+    quantize_tensor   one scale: an amax pass (atomic max), then a cast pass.
+
+Scale layouts: every scale is written through explicit strides, so a caller can ask for the
+row-major grid the reference returns or the "outer-dimension-major" layouts cuBLAS's block-scaled
+GEMM reads (``fp8rl.quant.gemm``) without a copy.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import torch
+
+from fp8rl.quant.formats import FP8Format
+
+try:  # Triton ships with PyTorch's CUDA wheels on Linux; elsewhere the reference runs.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+    tl = None
+
+AMAX_FLOOR = 1e-10  # the same floor as fp8rl.quant.scaling.AMAX_FLOOR (imported there, not here, to stay cycle-free)
+
+
+@cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def kernels_available(x: torch.Tensor) -> bool:
+    """Whether the fused kernels can quantize ``x``: a CUDA tensor on an FP8-capable GPU (sm_89+) with Triton."""
+    if triton is None or x.device.type != "cuda":
+        return False
+    return _cuda_capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def supports_block(block: tuple[int, int]) -> bool:
+    """Block shapes the kernels handle: powers of two up to 128 (1 x G groups or Br x Bc tiles)."""
+    br, bc = block
+    return _is_pow2(br) and _is_pow2(bc) and br <= 128 and 16 <= bc <= 128
+
+
+def _fp8_tl_dtype(fmt: FP8Format):
+    return {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}[fmt.name]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _abs_nan_as_inf(x):
+        ax = tl.abs(x)
+        return tl.where(ax == ax, ax, float("inf"))
+
+    @triton.jit
+    def _scale_of(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
+        amax = tl.maximum(amax, 1e-10)
+        s = tl.div_rn(amax, tl.zeros_like(amax) + FMT_MAX)
+        if POW2:
+            bits = s.to(tl.int32, bitcast=True)
+            exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            s = (exponent << 23).to(tl.float32, bitcast=True)
+        return s
+
+    @triton.jit
+    def _cast(x, s, FMT_MAX: tl.constexpr, OUT: tl.constexpr):
+        x, s = tl.broadcast(x, s)
+        y = tl.div_rn(x, s)
+        y = tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX)
+        return y.to(OUT, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _groups_kernel(
+        x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+        R, C, R_OUT,
+        sx_r, sx_c, sq_r, ss_r, ss_g, sqt_c, sst_c, sst_g,
+        FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+        G: tl.constexpr, BR: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ):  # fmt: skip
+        pid_r = tl.program_id(0)
+        pid_g = tl.program_id(1)
+        rows = pid_r * BR + tl.arange(0, BR)
+        cols = pid_g * G + tl.arange(0, G)
+        col_ok = cols[None, :] < C
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c,
+            mask=(rows[:, None] < R) & col_ok,
+            other=0.0,
+        ).to(tl.float32)
+        ax = _abs_nan_as_inf(x)
+        out_ok = (rows[:, None] < R_OUT) & col_ok
+        if ROWWISE:
+            s = _scale_of(tl.max(ax, axis=1), FMT_MAX, POW2)
+            q = _cast(x, s[:, None], FMT_MAX, OUT)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], q, mask=out_ok)
+            tl.store(s_ptr + rows.to(tl.int64) * ss_r + pid_g * ss_g, s, mask=rows < R_OUT)
+        if TRANSPOSE:
+            st = _scale_of(tl.max(ax, axis=0), FMT_MAX, POW2)
+            qt = _cast(x, st[None, :], FMT_MAX, OUT)
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * sqt_c + rows[:, None], qt, mask=out_ok)
+            tl.store(st_ptr + cols.to(tl.int64) * sst_c + pid_r * sst_g, st, mask=cols < C)
+
+    @triton.jit
+    def _tiles_kernel(
+        x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+        R, C,
+        sx_r, sx_c, sq_r, ss_r, ss_c, sqt_c, sst_r, sst_c,
+        FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
+        BR: tl.constexpr, BC: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ):  # fmt: skip
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rows = pid_r * BR + tl.arange(0, BR)
+        cols = pid_c * BC + tl.arange(0, BC)
+        ok = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0
+        ).to(tl.float32)
+        amax = tl.max(tl.max(_abs_nan_as_inf(x), axis=1), axis=0)
+        s = _scale_of(amax, FMT_MAX, POW2)
+        q = _cast(x, s, FMT_MAX, OUT)
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], q, mask=ok)
+        tl.store(s_ptr + pid_r * ss_r + pid_c * ss_c, s)
+        if TRANSPOSE:
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * sqt_c + rows[:, None], q, mask=ok)
+            tl.store(st_ptr + pid_c * sst_r + pid_r * sst_c, s)
+
+    @triton.jit
+    def _rows_kernel(
+        x_ptr, q_ptr, s_ptr, R, C, sx_r, sx_c, sq_r,
+        FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        row_ok = rows[:, None] < R
+        base = x_ptr + rows[:, None].to(tl.int64) * sx_r
+        amax = tl.zeros([BR], dtype=tl.float32)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            x = tl.load(base + cols[None, :].to(tl.int64) * sx_c, mask=row_ok & (cols[None, :] < C), other=0.0)
+            amax = tl.maximum(amax, tl.max(_abs_nan_as_inf(x.to(tl.float32)), axis=1))
+        s = _scale_of(amax, FMT_MAX, POW2)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            ok = row_ok & (cols[None, :] < C)
+            x = tl.load(base + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(
+                q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], _cast(x, s[:, None], FMT_MAX, OUT), mask=ok
+            )
+        tl.store(s_ptr + rows, s, mask=rows < R)
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, R, C, sx_r, sx_c, BR: tl.constexpr, BC: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        ok = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_nan_as_inf(x.to(tl.float32)), axis=1), axis=0))
+
+    @triton.jit
+    def _cast_tensor_kernel(
+        x_ptr, q_ptr, amax_ptr, s_ptr, R, C, sx_r, sx_c, sq_r,
+        FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        ok = (rows[:, None] < R) & (cols[None, :] < C)
+        s = _scale_of(tl.load(amax_ptr), FMT_MAX, POW2)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0)
+        tl.store(
+            q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], _cast(x.to(tl.float32), s, FMT_MAX, OUT), mask=ok
+        )
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(s_ptr, s)
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
+
+
+def quantize_groups(
+    x: torch.Tensor,
+    fmt: FP8Format,
+    pow2: bool,
+    group: int = 128,
+    *,
+    rowwise: bool = True,
+    colwise: bool = False,
+    rows_out: int | None = None,
+    outer_major_scales: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """1 x ``group`` quantization of a 2-D ``x [R, C]``: returns ``(q, s, qt, st)``.
+
+    rowwise: ``q [R_out, C]``, ``s [R_out, ceil(C/group)]`` (groups along C).
+    colwise: ``qt [C, R_out]``, ``st [C, ceil(R_out/group)]`` (groups along R: the transpose's 1 x group
+             quantization, computed from the same loaded tile).
+    ``rows_out`` (>= R, default R) pads the outputs with zero rows (the GEMMs need multiples of 16 or 128;
+    zero rows leave every real group's amax unchanged).  ``outer_major_scales`` lays ``s`` and ``st`` out
+    with stride ``(1, rows)`` -- what cuBLAS's 1x128 block scaling reads -- instead of row-major.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_groups needs a 2-D tensor, got shape {tuple(x.shape)}")
+    r, c = x.shape
+    r_out = r if rows_out is None else rows_out
+    if r_out < r:
+        raise ValueError(f"rows_out ({r_out}) must be at least the row count ({r})")
+    if colwise and group > 128:
+        raise ValueError("the transposed output needs groups of at most 128")
+    n_g, n_gt = math.ceil(c / group), math.ceil(r_out / group)
+    dev = x.device
+
+    def scales(rows: int, groups: int) -> torch.Tensor:
+        if outer_major_scales:
+            return torch.empty(groups, rows, dtype=torch.float32, device=dev).t()
+        return torch.empty(rows, groups, dtype=torch.float32, device=dev)
+
+    q = torch.empty(r_out, c, dtype=fmt.dtype, device=dev) if rowwise else None
+    s = scales(r_out, n_g) if rowwise else None
+    qt = torch.empty(c, r_out, dtype=fmt.dtype, device=dev) if colwise else None
+    st = scales(c, n_gt) if colwise else None
+    if r_out == 0 or c == 0:
+        return q, s, qt, st
+    # With the transpose, a program's rows are one group of the transposed output.
+    br = group if colwise else max(1, min(64, 8192 // group))
+    dummy = x  # any tensor: the pointer of an output that is not written
+    _groups_kernel[(triton.cdiv(r_out, br), n_g)](
+        x, q if q is not None else dummy, s if s is not None else dummy,
+        qt if qt is not None else dummy, st if st is not None else dummy,
+        r, c, r_out,
+        x.stride(0), x.stride(1),
+        c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
+        r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
+        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br,
+        ROWWISE=rowwise, TRANSPOSE=colwise, num_warps=8 if colwise else 4,
+    )  # fmt: skip
+    return q, s, qt, st
+
+
+def quantize_tiles(
+    x: torch.Tensor,
+    fmt: FP8Format,
+    pow2: bool,
+    block: tuple[int, int] = (128, 128),
+    *,
+    transpose: bool = False,
+    scale_out: torch.Tensor | None = None,
+    scale_t_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Br x Bc tile quantization of ``x [R, C]``: returns ``(q, s, qt, st)``.
+
+    ``s [ceil(R/Br), ceil(C/Bc)]``; with ``transpose``, ``qt [C, R]`` holds the same bytes transposed and
+    ``st`` is ``s`` transposed (for square tiles, exactly the quantization of ``x.T``).  ``scale_out`` /
+    ``scale_t_out`` may be views with any strides (e.g. the zero-padded grids cuBLAS reads) to write into.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_tiles needs a 2-D tensor, got shape {tuple(x.shape)}")
+    br, bc = block
+    if transpose and br != bc:
+        raise ValueError("the transposed output needs square tiles")
+    r, c = x.shape
+    n_r, n_c = math.ceil(r / br), math.ceil(c / bc)
+    dev = x.device
+    q = torch.empty(r, c, dtype=fmt.dtype, device=dev)
+    s = scale_out if scale_out is not None else torch.empty(n_r, n_c, dtype=torch.float32, device=dev)
+    qt = torch.empty(c, r, dtype=fmt.dtype, device=dev) if transpose else None
+    st = None
+    if transpose:
+        st = scale_t_out if scale_t_out is not None else torch.empty(n_c, n_r, dtype=torch.float32, device=dev)
+    if tuple(s.shape) != (n_r, n_c) or (st is not None and tuple(st.shape) != (n_c, n_r)):
+        raise ValueError(f"scale outputs must be [{n_r}, {n_c}] (and its transpose)")
+    if r == 0 or c == 0:
+        return q, s, qt, st
+    _tiles_kernel[(n_r, n_c)](
+        x, q, s, qt if qt is not None else q, st if st is not None else s,
+        r, c,
+        x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
+        r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
+        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
+        num_warps=8 if br * bc >= 8192 else 4,
+    )  # fmt: skip
+    return q, s, qt, st
+
+
+def quantize_rows(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of ``x [..., C]``: ``(q [..., C], s [..., 1])``."""
+    x2 = _as_2d(x)
+    r, c = x2.shape
+    q = torch.empty(r, c, dtype=fmt.dtype, device=x.device)
+    s = torch.empty(r, 1, dtype=torch.float32, device=x.device)
+    if r and c:
+        br = 4
+        _rows_kernel[(triton.cdiv(r, br),)](
+            x2, q, s, r, c, x2.stride(0), x2.stride(1), c,
+            FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=1024, num_warps=4,
+        )  # fmt: skip
+    return q.view(x.shape), s.view(*x.shape[:-1], 1)
+
+
+def quantize_tensor(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: ``(q, s [], amax [])``; two passes (an amax must precede the cast)."""
+    x2 = _as_2d(x) if x.dim() else x.reshape(1, 1)
+    r, c = x2.shape
+    q = torch.empty(r, c, dtype=fmt.dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    s = torch.empty((), dtype=torch.float32, device=x.device)
+    br, bc = 32, 256
+    grid = (triton.cdiv(max(r, 1), br), triton.cdiv(max(c, 1), bc))
+    if r and c:
+        _amax_kernel[grid](x2, amax, r, c, x2.stride(0), x2.stride(1), BR=br, BC=bc, num_warps=4)
+    _cast_tensor_kernel[grid](
+        x2, q, amax, s, r, c, x2.stride(0), x2.stride(1), c,
+        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, num_warps=4,
+    )  # fmt: skip
+    return q.view(x.shape), s, amax

@@ -1,0 +1,159 @@
+"""GPU measurements of issue 13 beyond the kernel table: the torch trainer step and requantize + pack of an 8B model.
+
+  trainer   TorchTrainer.sft_step (forward + backward + AdamW on fp32 masters) on 4 Llama-3-8B-width decoder
+            layers, 8 x 2,048 tokens, torch BF16 vs torch FP8 (block, fused path), same process; median of
+            --steps after --warmup.
+  requant   requantize_for_rollout + packing into sync buckets of a Llama-3.1-8B-shaped model (random bf16
+            weights on the GPU): fused kernels vs the torch reference, with bytes moved / time vs the copy
+            bandwidth measured in the same run.
+
+Writes $OUT/fp8_speed.json (rewritten after each section). Run on the GPU machine from the repository root:
+    PYTHONPATH=.:scripts python3 scripts/gpu_fp8_speed.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_sections import run_section, say
+from gpu_te_speed import decoder_stack, opts
+
+from fp8rl.bench.kernels import copy_bandwidth_gbs, time_ms
+from fp8rl.quant import QuantSpec
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer
+
+LLAMA8B = {"hidden": 4096, "inter": 14336, "layers": 32, "heads": 32, "kv": 8, "vocab": 128256}
+
+
+def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
+    n, seq = a.batch, a.seq
+    ids = torch.randint(1, 2048, (n, seq))
+    batch = SequenceBatch(
+        ids, torch.ones_like(ids), torch.arange(seq).expand(n, seq).clone(), torch.ones(n, seq - 1), 1
+    )
+    out: dict[str, Any] = {"layers": a.layers, "batch": n, "seq": seq}
+    for name, precision in [("torch-bf16", "bf16"), ("torch-fp8-block", "fp8"), ("torch-bf16-again", "bf16")]:
+        torch.cuda.reset_peak_memory_stats()
+        trainer = TorchTrainer(
+            decoder_stack("llama3-8b", a.layers, seq), opts(precision, "block", "torch", mbs=n), device="cuda"
+        )
+        times = []
+        for i in range(a.warmup + a.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.sft_step(batch)
+            torch.cuda.synchronize()
+            if i >= a.warmup:
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        out[name] = {"median_step_s": med, "tokens_per_s": n * seq / med, "step_times_s": times,
+                     "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+        say(f"[trainer] {name}: {med * 1e3:.1f} ms/step, {n * seq / med:.0f} tok/s")
+        del trainer
+        torch.cuda.empty_cache()
+    base = statistics.median([out["torch-bf16"]["median_step_s"], out["torch-bf16-again"]["median_step_s"]])
+    out["fp8_speedup_vs_bf16"] = base / out["torch-fp8-block"]["median_step_s"]
+    return out
+
+
+def llama8b_weights() -> tuple[dict[str, torch.Tensor], set[str]]:
+    h, f, kvd, v = LLAMA8B["hidden"], LLAMA8B["inter"], LLAMA8B["kv"] * 128, LLAMA8B["vocab"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+
+    weights: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(v, h)}
+    fp8: set[str] = set()
+    for i in range(LLAMA8B["layers"]):
+        p = f"model.layers.{i}."
+        for name, shape in [("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kvd, h)), ("self_attn.v_proj", (kvd, h)),
+                            ("self_attn.o_proj", (h, h)), ("mlp.gate_proj", (f, h)), ("mlp.up_proj", (f, h)),
+                            ("mlp.down_proj", (h, f))]:  # fmt: skip
+            weights[p + name + ".weight"] = w(*shape)
+            fp8.add(p + name + ".weight")
+        weights[p + "input_layernorm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    weights["model.norm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    weights["lm_head.weight"] = w(v, h)
+    return weights, fp8
+
+
+def section_requant(a: argparse.Namespace) -> dict[str, Any]:
+    from fp8rl.sync import requantize_for_rollout
+    from fp8rl.sync.buckets import layout_of, pack_bucket, plan_buckets
+
+    weights, fp8 = llama8b_weights()
+    spec = QuantSpec()
+    params = sum(t.numel() for t in weights.values())
+    fp8_params = sum(weights[n].numel() for n in fp8)
+    payload = requantize_for_rollout(weights, fp8, spec)
+    buckets = plan_buckets(layout_of(payload), a.bucket_mb << 20)
+    buffer = torch.empty(max(b.nbytes for b in buckets), dtype=torch.uint8, device="cuda")
+
+    def requant() -> None:
+        requantize_for_rollout(weights, fp8, spec)
+
+    def requant_and_pack() -> None:
+        p = requantize_for_rollout(weights, fp8, spec)
+        for b in buckets:
+            pack_bucket(p, b, buffer[: b.nbytes])
+
+    copy = copy_bandwidth_gbs()
+    # bytes a requantization must move: read every bf16 weight, write FP8 (+ scales) or a bf16 copy
+    payload_bytes = sum(b.nbytes for b in buckets)
+    req_bytes = 2 * params + payload_bytes
+    out: dict[str, Any] = {"params": params, "fp8_params": fp8_params, "payload_gb": payload_bytes / 1e9,
+                           "buckets": len(buckets), "bucket_mb": a.bucket_mb, "copy_gb_per_s": copy}  # fmt: skip
+    out["requant_ms"] = time_ms(requant, warmup=1, reps=5)
+    out["requant_and_pack_ms"] = time_ms(requant_and_pack, warmup=1, reps=5)
+    out["requant_gb_per_s"] = req_bytes / out["requant_ms"] / 1e6
+    out["requant_fraction_of_copy"] = out["requant_gb_per_s"] / copy
+    import fp8rl.sync.inprocess as inproc
+
+    orig = inproc.quantize_weight
+
+    def torch_quantize_weight(w: torch.Tensor, s: QuantSpec, **kw: Any) -> Any:
+        return orig(w, s, **{**kw, "backend": "torch"})
+
+    inproc.quantize_weight = torch_quantize_weight  # the reference, for the before/after in one run
+    try:
+        out["requant_reference_ms"] = time_ms(requant, warmup=1, reps=3)
+    finally:
+        inproc.quantize_weight = orig
+    say(f"[requant] 8B: fused {out['requant_ms']:.1f} ms, +pack {out['requant_and_pack_ms']:.1f} ms, "
+        f"reference {out['requant_reference_ms']:.1f} ms; {out['requant_fraction_of_copy']:.0%} of copy")  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sections", default="trainer,requant")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--bucket-mb", type=int, default=1024)
+    a = p.parse_args()
+    out = Path(os.environ.get("OUT", ".")) / "fp8_speed.json"
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "date": time.strftime("%Y-%m-%d"), "sections": {}}  # fmt: skip
+    fns = {"trainer": lambda: section_trainer(a), "requant": lambda: section_requant(a)}
+    for name in a.sections.split(","):
+        run_section(report, name, fns[name], out, say)
+
+
+if __name__ == "__main__":
+    main()
