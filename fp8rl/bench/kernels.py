@@ -60,6 +60,43 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def gpu_time_ms(fn: Callable[[], object], calls: int = 10, reps: int = 10) -> float:
+    """Median device milliseconds per call of ``fn``, with no host time in it: ``calls`` calls captured
+    in a CUDA graph and replayed (the kernels' own time, for the bandwidth roofline)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, warmup=2, reps=reps) / calls
+
+
+def back_to_back_ms(fn: Callable[[], object], calls: int = 20) -> tuple[float, float]:
+    """(milliseconds per call, host milliseconds per call) of ``calls`` eager calls issued back to back:
+    the host runs ahead of the device as in a training loop, so this is max(device, host) per call."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    end.synchronize()
+    return start.elapsed_time(end) / calls, host
+
+
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus written (the memory roofline)."""
     import torch
@@ -94,10 +131,47 @@ def _quant_rows(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
     ]  # fmt: skip
     rows = []
     for name, fn, nbytes in cases:
-        ms = time_ms(fn)
+        eager = time_ms(fn)
+        ms = gpu_time_ms(fn)
         gbs = nbytes / ms / 1e6
-        rows.append({"shape": [m, k], "kernel": name, "ms": ms, "gb_per_s": gbs, "fraction_of_copy": gbs / copy_gbs})
+        rows.append({"shape": [m, k], "kernel": name, "ms": ms, "eager_ms": eager, "gb_per_s": gbs,
+                     "fraction_of_copy": gbs / copy_gbs})  # fmt: skip
     return rows
+
+
+def sweep_quant_configs(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
+    """Device time of each launch configuration of the fused quantizers at ``[m, k]`` (bytes identical across them)."""
+    import torch
+
+    from fp8rl.quant import kernels
+    from fp8rl.quant.formats import E4M3
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    n_el = m * k
+    out = []
+
+    def groups(config: tuple[int, int, bool], colwise: bool) -> Callable[[], object]:
+        return lambda: kernels.quantize_groups(x, E4M3, False, 128, colwise=colwise, config=config)
+
+    def tiles(warps: int, transpose: bool) -> Callable[[], object]:
+        return lambda: kernels.quantize_tiles(x, E4M3, False, transpose=transpose, warps=warps)
+
+    for br, warps in [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]:
+        ms = gpu_time_ms(groups((br, warps, False), False))
+        out.append(
+            {"kernel": "groups", "config": [br, warps], "ms": ms, "fraction_of_copy": 3 * n_el / ms / 1e6 / copy_gbs}
+        )
+    for warps in [4, 8, 16]:
+        for trans in [False, True]:
+            ms = gpu_time_ms(groups((128, warps, trans), True))
+            out.append({"kernel": "groups+transposed", "config": [128, warps, trans], "ms": ms,
+                        "fraction_of_copy": 4 * n_el / ms / 1e6 / copy_gbs})  # fmt: skip
+    for warps in [4, 8, 16]:
+        for transpose in [False, True]:
+            ms = gpu_time_ms(tiles(warps, transpose))
+            out.append({"kernel": "tiles" + ("+transposed" if transpose else ""), "config": [warps], "ms": ms,
+                        "fraction_of_copy": (4 if transpose else 3) * n_el / ms / 1e6 / copy_gbs})  # fmt: skip
+    return out
 
 
 def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
@@ -128,6 +202,14 @@ def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
         out["fp8_block_1x128x1x128_gemm_ms"] = time_ms(
             lambda: block_scaled_mm(xq[:m], xs, wq.data, outer_major(wq.scale_inv), False)
         )
+        # dgrad-shaped: dX[M, K] = dY[M, N] @ W, contraction over N (1x128 x 128x128)
+        gq, gs, _, _ = quantize_block_input(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), spec, True, False)
+        bwt = quantize_block_weight(w, spec, transpose=True)
+        wt, wt_scale = bwt.qt, bwt.scale_t_cublas
+        assert gq is not None and gs is not None and wt is not None and wt_scale is not None
+        out["fp8_block_dgrad_gemm_ms"] = time_ms(lambda: block_scaled_mm(gq, gs, wt, wt_scale, True))
+        gb = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        out["bf16_dgrad_ms"] = time_ms(lambda: gb @ w)
         fast = block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True)[:m].float()
         ref = fp8_gemm(quantize_activation(x, spec), quantize_weight(w, spec), torch.float32, backend="emulated")
         out["block_rel_diff_vs_emulation"] = ((fast - ref).norm() / ref.norm()).item()
@@ -168,18 +250,43 @@ def _linear_row(m: int, n: int, k: int) -> dict[str, Any]:
     out["fp8_weight_requantized_each_call_ms"] = time_ms(step(fp8, bump=True))
     out["speedup"] = out["bf16_ms"] / out["fp8_ms"]
     out["speedup_weight_requantized"] = out["bf16_ms"] / out["fp8_weight_requantized_each_call_ms"]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        step(fp8)()
-    out["fp8_enqueue_ms"] = (time.perf_counter() - t0) / 10 * 1e3  # host time incl. sync-free launches
-    torch.cuda.synchronize()
+    out["bf16_back_to_back_ms"], out["bf16_host_ms"] = back_to_back_ms(step(base))
+    out["fp8_back_to_back_ms"], out["fp8_host_ms"] = back_to_back_ms(step(fp8))
+    out["speedup_back_to_back"] = out["bf16_back_to_back_ms"] / out["fp8_back_to_back_ms"]
+    out["fp8_device_ms"] = gpu_time_ms(step(fp8), calls=5, reps=5)
+    out["bf16_device_ms"] = gpu_time_ms(step(base), calls=5, reps=5)
+    out["speedup_device"] = out["bf16_device_ms"] / out["fp8_device_ms"]
     out["tflops_bf16"] = 3 * 2 * m * n * k / out["bf16_ms"] / 1e9
     out["tflops_fp8"] = 3 * 2 * m * n * k / out["fp8_ms"] / 1e9
     return out
 
 
-def run(shapes: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
+def host_profile(m: int, n: int, k: int, top: int = 20) -> list[dict[str, Any]]:
+    """Host (CPU) time by op of one FP8 linear forward + backward: where the launch overhead goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp8rl.quant import QuantSpec
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    lin = FP8TrainLinear.from_linear(
+        torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), QuantSpec()
+    )
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        lin(x).backward(g)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            lin(x).backward(g)
+    torch.cuda.synchronize()
+    rows = [{"op": e.key, "self_cpu_us_per_call": e.self_cpu_time_total / 5, "count": e.count / 5}
+            for e in prof.key_averages()]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["self_cpu_us_per_call"])[:top]
+
+
+def run(shapes: Sequence[tuple[int, int, int]], sweep: bool = False) -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
@@ -206,6 +313,9 @@ def run(shapes: Sequence[tuple[int, int, int]]) -> dict[str, Any]:
         result["gemm"].append(_gemm_rows(m, n, k))
         result["linear"].append(_linear_row(m, n, k))
         torch.cuda.empty_cache()
+    if sweep:
+        result["sweep"] = {f"{m}x{k}": sweep_quant_configs(m, k, copy_gbs) for m, k in [(8192, 4096), (8192, 14336)]}
+        result["host_profile_8192x4096x4096"] = host_profile(8192, 4096, 4096)
     return result
 
 
@@ -229,19 +339,39 @@ def format_tables(r: dict[str, Any]) -> str:
             f"| {g['block_speedup_incl_quant']:.2f}x | {g['block_speedup_gemm_only']:.2f}x | {g['fp8_block_1x128x1x128_gemm_ms']:.3f} "
             f"| {g['tflops_bf16']:.0f} / {g['tflops_fp8_block']:.0f} |"
         )
-    lines += ["", "| M x N x K | BF16 linear fwd+bwd ms | FP8 fwd+bwd ms | speedup | W requantized each call: ms, speedup |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| M x N x K | BF16 fwd+bwd ms | FP8 ms | speedup | back to back: BF16 / FP8 ms (host FP8 ms), speedup | device only: BF16 / FP8, speedup | W requantized each call |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for li in r["linear"]:
         lines.append(
             f"| {'x'.join(map(str, li['mnk']))} | {li['bf16_ms']:.3f} | {li['fp8_ms']:.3f} | {li['speedup']:.2f}x "
+            f"| {li['bf16_back_to_back_ms']:.3f} / {li['fp8_back_to_back_ms']:.3f} ({li['fp8_host_ms']:.3f}), {li['speedup_back_to_back']:.2f}x "
+            f"| {li['bf16_device_ms']:.3f} / {li['fp8_device_ms']:.3f}, {li['speedup_device']:.2f}x "
             f"| {li['fp8_weight_requantized_each_call_ms']:.3f}, {li['speedup_weight_requantized']:.2f}x |"
         )
+    for name, rows in r.get("sweep", {}).items():
+        lines += [
+            "",
+            f"sweep {name}: "
+            + "; ".join(f"{e['kernel']} {e['config']}: {e['ms']:.3f} ms {e['fraction_of_copy']:.0%}" for e in rows),
+        ]
+    if "host_profile_8192x4096x4096" in r:
+        lines += [
+            "",
+            "host time per FP8 linear fwd+bwd (8192x4096x4096), top ops: "
+            + "; ".join(
+                f"{e['op']} {e['self_cpu_us_per_call']:.0f}us x{e['count']:.0f}"
+                for e in r["host_profile_8192x4096x4096"][:12]
+            ),
+        ]
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated MxNxK list (default {DEFAULT_SHAPES})")
     p.add_argument("--json", default=None, help="write the full results here (written to a temp file, then renamed)")
+    p.add_argument(
+        "--sweep", action="store_true", help="also time each kernel launch configuration and profile host time"
+    )
 
 
 def main_with_args(args: argparse.Namespace) -> int:
@@ -255,7 +385,7 @@ def main_with_args(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("fp8rl bench kernels: error: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
-    result = run(shapes)
+    result = run(shapes, sweep=args.sweep)
     print(format_tables(result))
     if args.json:
         dst = Path(args.json)

@@ -37,7 +37,7 @@ def block_linear_supported(in_features: int, out_features: int, spec: QuantSpec,
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return (
-        torch.cuda.get_device_capability(index)[0] == 9  # cuBLAS 1x128 / 128x128 block scaling: Hopper only
+        kernels.cuda_capability(index)[0] == 9  # cuBLAS 1x128 / 128x128 block scaling: Hopper only
         and spec.granularity == "block"
         and spec.fmt == "e4m3"
         and spec.act_block == 128

@@ -49,7 +49,8 @@ AMAX_FLOOR = 1e-10  # the same floor as fp8rl.quant.scaling.AMAX_FLOOR (imported
 
 
 @cache
-def _cuda_capability(index: int) -> tuple[int, int]:
+def cuda_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index`` (cached: it is asked on every linear call)."""
     return torch.cuda.get_device_capability(index)
 
 
@@ -57,7 +58,7 @@ def kernels_available(x: torch.Tensor) -> bool:
     """Whether the fused kernels can quantize ``x``: a CUDA tensor on an FP8-capable GPU (sm_89+) with Triton."""
     if triton is None or x.device.type != "cuda":
         return False
-    return _cuda_capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (8, 9)
+    return cuda_capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
 def _is_pow2(n: int) -> bool:
@@ -105,28 +106,36 @@ if triton is not None:
         sx_r, sx_c, sq_r, ss_r, ss_g, sqt_c, sst_c, sst_g,
         FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
         G: tl.constexpr, BR: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
+        TRANS_STORE: tl.constexpr,
     ):  # fmt: skip
         pid_r = tl.program_id(0)
         pid_g = tl.program_id(1)
         rows = pid_r * BR + tl.arange(0, BR)
         cols = pid_g * G + tl.arange(0, G)
         col_ok = cols[None, :] < C
+        # Kept in the input's dtype until the division: |x| and max are exact in any float format, and
+        # half the registers (a 128x128 tile) leaves room for more programs per multiprocessor.
         x = tl.load(
             x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c,
             mask=(rows[:, None] < R) & col_ok,
             other=0.0,
-        ).to(tl.float32)
+        )
         ax = _abs_nan_as_inf(x)
         out_ok = (rows[:, None] < R_OUT) & col_ok
         if ROWWISE:
-            s = _scale_of(tl.max(ax, axis=1), FMT_MAX, POW2)
-            q = _cast(x, s[:, None], FMT_MAX, OUT)
+            s = _scale_of(tl.max(ax, axis=1).to(tl.float32), FMT_MAX, POW2)
+            q = _cast(x.to(tl.float32), s[:, None], FMT_MAX, OUT)
             tl.store(q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], q, mask=out_ok)
             tl.store(s_ptr + rows.to(tl.int64) * ss_r + pid_g * ss_g, s, mask=rows < R_OUT)
         if TRANSPOSE:
-            st = _scale_of(tl.max(ax, axis=0), FMT_MAX, POW2)
-            qt = _cast(x, st[None, :], FMT_MAX, OUT)
-            tl.store(qt_ptr + cols[None, :].to(tl.int64) * sqt_c + rows[:, None], qt, mask=out_ok)
+            st = _scale_of(tl.max(ax, axis=0).to(tl.float32), FMT_MAX, POW2)
+            if TRANS_STORE:  # transpose the tile in registers/shared memory, then store along its rows
+                qt = _cast(tl.trans(x).to(tl.float32), st[:, None], FMT_MAX, OUT)
+                ok_t = (cols[:, None] < C) & (rows[None, :] < R_OUT)
+                tl.store(qt_ptr + cols[:, None].to(tl.int64) * sqt_c + rows[None, :], qt, mask=ok_t)
+            else:
+                qt = _cast(x.to(tl.float32), st[None, :], FMT_MAX, OUT)
+                tl.store(qt_ptr + cols[None, :].to(tl.int64) * sqt_c + rows[:, None], qt, mask=out_ok)
             tl.store(st_ptr + cols.to(tl.int64) * sst_c + pid_r * sst_g, st, mask=cols < C)
 
     @triton.jit
@@ -142,12 +151,10 @@ if triton is not None:
         rows = pid_r * BR + tl.arange(0, BR)
         cols = pid_c * BC + tl.arange(0, BC)
         ok = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(
-            x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0
-        ).to(tl.float32)
-        amax = tl.max(tl.max(_abs_nan_as_inf(x), axis=1), axis=0)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0)
+        amax = tl.max(tl.max(_abs_nan_as_inf(x), axis=1), axis=0).to(tl.float32)
         s = _scale_of(amax, FMT_MAX, POW2)
-        q = _cast(x, s, FMT_MAX, OUT)
+        q = _cast(x.to(tl.float32), s, FMT_MAX, OUT)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], q, mask=ok)
         tl.store(s_ptr + pid_r * ss_r + pid_c * ss_c, s)
         if TRANSPOSE:
@@ -202,6 +209,12 @@ if triton is not None:
             tl.store(s_ptr, s)
 
 
+# Launch configurations: (rows per program, warps, transpose in registers), by whether the transposed copy
+# is written.  Chosen by a sweep on an H100 (fp8rl.bench.kernels --sweep; docs/benchmarks.md).
+GROUPS_CONFIG: dict[bool, tuple[int, int, bool]] = {False: (64, 4, False), True: (128, 8, False)}
+TILES_WARPS = 8
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
 
@@ -216,6 +229,7 @@ def quantize_groups(
     colwise: bool = False,
     rows_out: int | None = None,
     outer_major_scales: bool = False,
+    config: tuple[int, int, bool] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """1 x ``group`` quantization of a 2-D ``x [R, C]``: returns ``(q, s, qt, st)``.
 
@@ -225,6 +239,7 @@ def quantize_groups(
     ``rows_out`` (>= R, default R) pads the outputs with zero rows (the GEMMs need multiples of 16 or 128;
     zero rows leave every real group's amax unchanged).  ``outer_major_scales`` lays ``s`` and ``st`` out
     with stride ``(1, rows)`` -- what cuBLAS's 1x128 block scaling reads -- instead of row-major.
+    ``config`` = ``(rows per program, warps, transpose in registers)`` overrides the tuned launch (benchmarks).
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_groups needs a 2-D tensor, got shape {tuple(x.shape)}")
@@ -249,7 +264,9 @@ def quantize_groups(
     if r_out == 0 or c == 0:
         return q, s, qt, st
     # With the transpose, a program's rows are one group of the transposed output.
-    br = group if colwise else max(1, min(64, 8192 // group))
+    br, warps, trans_store = config or GROUPS_CONFIG[colwise]
+    if colwise:
+        br = group
     dummy = x  # any tensor: the pointer of an output that is not written
     _groups_kernel[(triton.cdiv(r_out, br), n_g)](
         x, q if q is not None else dummy, s if s is not None else dummy,
@@ -259,7 +276,7 @@ def quantize_groups(
         c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
         r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br,
-        ROWWISE=rowwise, TRANSPOSE=colwise, num_warps=8 if colwise else 4,
+        ROWWISE=rowwise, TRANSPOSE=colwise, TRANS_STORE=trans_store, num_warps=warps,
     )  # fmt: skip
     return q, s, qt, st
 
@@ -273,6 +290,7 @@ def quantize_tiles(
     transpose: bool = False,
     scale_out: torch.Tensor | None = None,
     scale_t_out: torch.Tensor | None = None,
+    warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Br x Bc tile quantization of ``x [R, C]``: returns ``(q, s, qt, st)``.
 
@@ -304,7 +322,7 @@ def quantize_tiles(
         x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
         r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
-        num_warps=8 if br * bc >= 8192 else 4,
+        num_warps=warps or (TILES_WARPS if br * bc >= 8192 else 4),
     )  # fmt: skip
     return q, s, qt, st
 
