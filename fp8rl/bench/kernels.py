@@ -119,11 +119,11 @@ def _quant_rows(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
     spec = QuantSpec()
     # (name, fn, minimal bytes: input read once + outputs written once)
     cases: list[tuple[str, Callable[[], object], int]] = [
-        ("act 1x128 reference (torch)", lambda: quantize_activation(x, spec, backend="torch"), 2 * n_el + n_el + 4 * m * groups),
+        ("act 1x128 reference (torch)", lambda: quantize_activation(x, spec, backend="torch", check_finite=False), 2 * n_el + n_el + 4 * m * groups),
         ("act 1x128 fused", lambda: kernels.quantize_groups(x, E4M3, False, 128), 2 * n_el + n_el + 4 * m * groups),
         ("act 1x128 + transposed fused", lambda: kernels.quantize_groups(x, E4M3, False, 128, colwise=True),
          2 * n_el + 2 * n_el + 4 * (m * groups + k * math.ceil(m / 128))),
-        ("weight 128x128 reference (torch)", lambda: quantize_weight(x, spec, backend="torch"), 3 * n_el),
+        ("weight 128x128 reference (torch)", lambda: quantize_weight(x, spec, backend="torch", check_finite=False), 3 * n_el),
         ("weight 128x128 fused", lambda: kernels.quantize_tiles(x, E4M3, False), 3 * n_el),
         ("weight 128x128 + transposed fused", lambda: kernels.quantize_tiles(x, E4M3, False, transpose=True), 4 * n_el),
         ("row fused", lambda: kernels.quantize_rows(x, E4M3, False), 3 * n_el + 4 * m),
@@ -196,7 +196,9 @@ def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
         assert xq is not None and xs is not None
         out["fp8_block_gemm_ms"] = time_ms(lambda: block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True))
         out["act_quant_fused_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=False))
-        out["act_quant_reference_ms"] = time_ms(lambda: quantize_activation(x, spec, backend="torch"))
+        out["act_quant_reference_ms"] = time_ms(
+            lambda: quantize_activation(x, spec, backend="torch", check_finite=False)
+        )
         # wgrad-shaped: both operands 1x128-grouped along the contraction (here K plays the token role)
         wq = quantize_activation(w, spec)
         out["fp8_block_1x128x1x128_gemm_ms"] = time_ms(
@@ -286,6 +288,66 @@ def host_profile(m: int, n: int, k: int, top: int = 20) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["self_cpu_us_per_call"])[:top]
 
 
+def host_costs() -> dict[str, Any]:
+    """Host microseconds per call of the pieces of the FP8 linear's hot path (no device sync in between)."""
+    import torch
+
+    from fp8rl.quant import QuantSpec, kernels
+    from fp8rl.quant.block_linear import quantize_block_input, quantize_block_weight
+    from fp8rl.quant.formats import E4M3
+    from fp8rl.quant.gemm import block_scaled_mm
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    spec = QuantSpec()
+
+    def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        return t
+
+    class Nothing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+            return a
+
+    out: dict[str, Any] = {}
+    for fast in (True, False):
+        kernels.FAST_LAUNCH = fast
+        out[f"quantize_groups_fast_launch_{fast}"] = host_us(lambda: kernels.quantize_groups(x, E4M3, False, 128))
+        out[f"quantize_block_input_colwise_fast_launch_{fast}"] = host_us(
+            lambda: quantize_block_input(x, spec, rowwise=True, colwise=True)
+        )
+    kernels.FAST_LAUNCH = True
+    out["torch_empty_x4"] = host_us(lambda: [torch.empty(1024, 4096, device="cuda") for _ in range(4)])
+    xq, xs, _, _ = quantize_block_input(x, spec, rowwise=True, colwise=False)
+    bw = quantize_block_weight(
+        x[:4096] if x.shape[0] >= 4096 else torch.randn(4096, 4096, device="cuda").bfloat16(), spec, False
+    )
+    out["block_scaled_mm"] = host_us(lambda: block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True))
+    out["bf16_mm"] = host_us(lambda: x @ x.t())
+    a = torch.randn(8, device="cuda", requires_grad=True)
+    out["empty_autograd_function"] = host_us(lambda: Nothing.apply(a))
+    lin = FP8TrainLinear.from_linear(torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16), spec)
+    xg = x.clone().requires_grad_(True)
+    for fast in (True, False):
+        kernels.FAST_LAUNCH = fast
+        out[f"fp8_linear_fwd_bwd_fast_launch_{fast}"] = host_us(lambda: lin(xg).sum().backward(), calls=50)
+    kernels.FAST_LAUNCH = True
+    out["compiled_kernels"] = [
+        {"name": getattr(k, "name", "?"), "key": str(key[1:3])[:200], "n_regs": getattr(k, "n_regs", None),
+         "n_spills": getattr(k, "n_spills", None), "shared": getattr(getattr(k, "metadata", None), "shared", None)}
+        for key, k in kernels._COMPILED.items()
+    ]  # fmt: skip
+    return out
+
+
 def run(shapes: Sequence[tuple[int, int, int]], sweep: bool = False) -> dict[str, Any]:
     import torch
 
@@ -316,6 +378,7 @@ def run(shapes: Sequence[tuple[int, int, int]], sweep: bool = False) -> dict[str
     if sweep:
         result["sweep"] = {f"{m}x{k}": sweep_quant_configs(m, k, copy_gbs) for m, k in [(8192, 4096), (8192, 14336)]}
         result["host_profile_8192x4096x4096"] = host_profile(8192, 4096, 4096)
+        result["host_costs_us"] = host_costs()
     return result
 
 
@@ -353,6 +416,19 @@ def format_tables(r: dict[str, Any]) -> str:
             "",
             f"sweep {name}: "
             + "; ".join(f"{e['kernel']} {e['config']}: {e['ms']:.3f} ms {e['fraction_of_copy']:.0%}" for e in rows),
+        ]
+    if "host_costs_us" in r:
+        lines += [
+            "",
+            "host us per call: "
+            + "; ".join(f"{k} {v:.1f}" for k, v in r["host_costs_us"].items() if isinstance(v, float)),
+        ]
+        lines += [
+            "compiled: "
+            + "; ".join(
+                f"{c['name']} {c['key']} regs {c['n_regs']} spills {c['n_spills']} smem {c['shared']}"
+                for c in r["host_costs_us"]["compiled_kernels"]
+            )
         ]
     if "host_profile_8192x4096x4096" in r:
         lines += [

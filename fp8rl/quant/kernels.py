@@ -72,7 +72,7 @@ def supports_block(block: tuple[int, int]) -> bool:
 
 
 def _fp8_tl_dtype(fmt: FP8Format):
-    return {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}[fmt.name]
+    return tl.float8e4nv if fmt.name == "e4m3" else tl.float8e5
 
 
 if triton is not None:
@@ -215,6 +215,38 @@ GROUPS_CONFIG: dict[bool, tuple[int, int, bool]] = {False: (64, 4, False), True:
 TILES_WARPS = 8
 
 
+# Compiled kernels by everything Triton specializes a launch on (constexprs, warps, each integer's ==1 /
+# divisible-by-16 / 32-bit-range, each pointer's dtype and 16-byte alignment, the device), so a repeated
+# launch skips the JIT's argument binding and cache-key building (the host cost of a small kernel).
+_COMPILED: dict[tuple[object, ...], object] = {}
+FAST_LAUNCH = True
+
+
+def _arg_spec(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    if isinstance(v, bool):
+        return ("b", v)
+    if isinstance(v, int):
+        return ("i", v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+    return (type(v), v)
+
+
+def _launch(kernel, grid: tuple[int, ...], args: tuple[object, ...], num_warps: int, **constexprs: object) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, through the compiled-kernel cache."""
+    if not FAST_LAUNCH:
+        kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    key = (kernel, num_warps, tuple(constexprs.items()), tuple(_arg_spec(a) for a in args), torch.cuda.current_device())
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        # the cached launch passes constexprs positionally: they must be the kernel's trailing parameters
+        assert list(kernel.arg_names[len(args) :]) == list(constexprs), (kernel.arg_names, list(constexprs))
+        _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    compiled[grid](*args, *constexprs.values())  # type: ignore[index]
+
+
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
 
@@ -268,15 +300,17 @@ def quantize_groups(
     if colwise:
         br = group
     dummy = x  # any tensor: the pointer of an output that is not written
-    _groups_kernel[(triton.cdiv(r_out, br), n_g)](
-        x, q if q is not None else dummy, s if s is not None else dummy,
-        qt if qt is not None else dummy, st if st is not None else dummy,
-        r, c, r_out,
-        x.stride(0), x.stride(1),
-        c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-        r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
+    _launch(
+        _groups_kernel, (triton.cdiv(r_out, br), n_g),
+        (x, q if q is not None else dummy, s if s is not None else dummy,
+         qt if qt is not None else dummy, st if st is not None else dummy,
+         r, c, r_out,
+         x.stride(0), x.stride(1),
+         c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
+         r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
+        warps,
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br,
-        ROWWISE=rowwise, TRANSPOSE=colwise, TRANS_STORE=trans_store, num_warps=warps,
+        ROWWISE=rowwise, TRANSPOSE=colwise, TRANS_STORE=trans_store,
     )  # fmt: skip
     return q, s, qt, st
 
@@ -316,13 +350,14 @@ def quantize_tiles(
         raise ValueError(f"scale outputs must be [{n_r}, {n_c}] (and its transpose)")
     if r == 0 or c == 0:
         return q, s, qt, st
-    _tiles_kernel[(n_r, n_c)](
-        x, q, s, qt if qt is not None else q, st if st is not None else s,
-        r, c,
-        x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
-        r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0,
+    _launch(
+        _tiles_kernel, (n_r, n_c),
+        (x, q, s, qt if qt is not None else q, st if st is not None else s,
+         r, c,
+         x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
+         r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
+        warps or (TILES_WARPS if br * bc >= 8192 else 4),
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
-        num_warps=warps or (TILES_WARPS if br * bc >= 8192 else 4),
     )  # fmt: skip
     return q, s, qt, st
 
@@ -335,9 +370,9 @@ def quantize_rows(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.Te
     s = torch.empty(r, 1, dtype=torch.float32, device=x.device)
     if r and c:
         br = 4
-        _rows_kernel[(triton.cdiv(r, br),)](
-            x2, q, s, r, c, x2.stride(0), x2.stride(1), c,
-            FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=1024, num_warps=4,
+        _launch(
+            _rows_kernel, (triton.cdiv(r, br),), (x2, q, s, r, c, x2.stride(0), x2.stride(1), c), 4,
+            FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=1024,
         )  # fmt: skip
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
@@ -352,9 +387,9 @@ def quantize_tensor(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.
     br, bc = 32, 256
     grid = (triton.cdiv(max(r, 1), br), triton.cdiv(max(c, 1), bc))
     if r and c:
-        _amax_kernel[grid](x2, amax, r, c, x2.stride(0), x2.stride(1), BR=br, BC=bc, num_warps=4)
-    _cast_tensor_kernel[grid](
-        x2, q, amax, s, r, c, x2.stride(0), x2.stride(1), c,
-        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, num_warps=4,
+        _launch(_amax_kernel, grid, (x2, amax, r, c, x2.stride(0), x2.stride(1)), 4, BR=br, BC=bc)
+    _launch(
+        _cast_tensor_kernel, grid, (x2, q, amax, s, r, c, x2.stride(0), x2.stride(1), c), 4,
+        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc,
     )  # fmt: skip
     return q.view(x.shape), s, amax
