@@ -150,22 +150,29 @@ def sweep_quant_configs(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]
     n_el = m * k
     out = []
 
-    def groups(config: tuple[int, int, bool], colwise: bool) -> Callable[[], object]:
+    def groups(config: tuple[int, int, str], colwise: bool) -> Callable[[], object]:
         return lambda: kernels.quantize_groups(x, E4M3, False, 128, colwise=colwise, config=config)
 
     def tiles(warps: int, transpose: bool) -> Callable[[], object]:
         return lambda: kernels.quantize_tiles(x, E4M3, False, transpose=transpose, warps=warps)
 
-    for br, warps in [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]:
-        ms = gpu_time_ms(groups((br, warps, False), False))
+    for br, warps in [(16, 2), (32, 4), (64, 4), (64, 8)]:
+        ms = gpu_time_ms(groups((br, warps, ""), False))
         out.append(
             {"kernel": "groups", "config": [br, warps], "ms": ms, "fraction_of_copy": 3 * n_el / ms / 1e6 / copy_gbs}
         )
-    for warps in [4, 8, 16]:
-        for trans in [False, True]:
-            ms = gpu_time_ms(groups((128, warps, trans), True))
-            out.append({"kernel": "groups+transposed", "config": [128, warps, trans], "ms": ms,
-                        "fraction_of_copy": 4 * n_el / ms / 1e6 / copy_gbs})  # fmt: skip
+    for cfg in [
+        (128, 8, "fused"),
+        (128, 16, "fused"),
+        (16, 2, "split"),
+        (32, 2, "split"),
+        (32, 4, "split"),
+        (64, 4, "split"),
+        (64, 8, "split"),
+    ]:
+        ms = gpu_time_ms(groups(cfg, True))
+        out.append({"kernel": "groups+transposed", "config": list(cfg), "ms": ms,
+                    "fraction_of_copy": 4 * n_el / ms / 1e6 / copy_gbs})  # fmt: skip
     for warps in [4, 8, 16]:
         for transpose in [False, True]:
             ms = gpu_time_ms(tiles(warps, transpose))
@@ -340,6 +347,20 @@ def host_costs() -> dict[str, Any]:
         kernels.FAST_LAUNCH = fast
         out[f"fp8_linear_fwd_bwd_fast_launch_{fast}"] = host_us(lambda: lin(xg).sum().backward(), calls=50)
     kernels.FAST_LAUNCH = True
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):  # backward on this thread, so cProfile sees it
+        prof.enable()
+        for _ in range(20):
+            lin(xg).sum().backward()
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    out["cprofile_fp8_linear_20_calls"] = text.getvalue()[-6000:]
     out["compiled_kernels"] = [
         {"name": getattr(k, "name", "?"), "key": str(key[1:3])[:200], "n_regs": getattr(k, "n_regs", None),
          "n_spills": getattr(k, "n_spills", None), "shared": getattr(getattr(k, "metadata", None), "shared", None)}
@@ -430,6 +451,8 @@ def format_tables(r: dict[str, Any]) -> str:
                 for c in r["host_costs_us"]["compiled_kernels"]
             )
         ]
+    if "host_costs_us" in r:
+        lines += ["", r["host_costs_us"].get("cprofile_fp8_linear_20_calls", "")]
     if "host_profile_8192x4096x4096" in r:
         lines += [
             "",

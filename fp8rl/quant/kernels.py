@@ -105,13 +105,13 @@ if triton is not None:
         R, C, R_OUT,
         sx_r, sx_c, sq_r, ss_r, ss_g, sqt_c, sst_c, sst_g,
         FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr,
-        G: tl.constexpr, BR: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
-        TRANS_STORE: tl.constexpr,
+        G: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, ROWWISE: tl.constexpr, TRANSPOSE: tl.constexpr,
     ):  # fmt: skip
+        # A program quantizes rows [pid_r*BR, +BR) x cols [pid_g*BC, +BC); with ROWWISE, BC == G (one group per row).
         pid_r = tl.program_id(0)
         pid_g = tl.program_id(1)
         rows = pid_r * BR + tl.arange(0, BR)
-        cols = pid_g * G + tl.arange(0, G)
+        cols = pid_g * BC + tl.arange(0, BC)
         col_ok = cols[None, :] < C
         # Kept in the input's dtype until the division: |x| and max are exact in any float format, and
         # half the registers (a 128x128 tile) leaves room for more programs per multiprocessor.
@@ -129,13 +129,8 @@ if triton is not None:
             tl.store(s_ptr + rows.to(tl.int64) * ss_r + pid_g * ss_g, s, mask=rows < R_OUT)
         if TRANSPOSE:
             st = _scale_of(tl.max(ax, axis=0).to(tl.float32), FMT_MAX, POW2)
-            if TRANS_STORE:  # transpose the tile in registers/shared memory, then store along its rows
-                qt = _cast(tl.trans(x).to(tl.float32), st[:, None], FMT_MAX, OUT)
-                ok_t = (cols[:, None] < C) & (rows[None, :] < R_OUT)
-                tl.store(qt_ptr + cols[:, None].to(tl.int64) * sqt_c + rows[None, :], qt, mask=ok_t)
-            else:
-                qt = _cast(x.to(tl.float32), st[None, :], FMT_MAX, OUT)
-                tl.store(qt_ptr + cols[None, :].to(tl.int64) * sqt_c + rows[:, None], qt, mask=out_ok)
+            qt = _cast(x.to(tl.float32), st[None, :], FMT_MAX, OUT)
+            tl.store(qt_ptr + cols[None, :].to(tl.int64) * sqt_c + rows[:, None], qt, mask=out_ok)
             tl.store(st_ptr + cols.to(tl.int64) * sst_c + pid_r * sst_g, st, mask=cols < C)
 
     @triton.jit
@@ -209,10 +204,11 @@ if triton is not None:
             tl.store(s_ptr, s)
 
 
-# Launch configurations: (rows per program, warps, transpose in registers), by whether the transposed copy
-# is written.  Chosen by a sweep on an H100 (fp8rl.bench.kernels --sweep; docs/benchmarks.md).
-GROUPS_CONFIG: dict[bool, tuple[int, int, bool]] = {False: (64, 4, False), True: (128, 8, False)}
-TILES_WARPS = 8
+# Launch configurations, chosen by a sweep on an H100 (fp8rl.bench.kernels --sweep; docs/benchmarks.md):
+# rowwise only: (rows per program, warps, -); with the transposed copy: (columns per program, warps, mode).
+GROUPS_ROWWISE_CONFIG: tuple[int, int, str] = (32, 4, "")
+GROUPS_COLWISE_CONFIG: tuple[int, int, str] = (32, 4, "split")
+TILES_WARPS = 16
 
 
 # Compiled kernels by everything Triton specializes a launch on (constexprs, warps, each integer's ==1 /
@@ -244,7 +240,7 @@ def _launch(kernel, grid: tuple[int, ...], args: tuple[object, ...], num_warps: 
         assert list(kernel.arg_names[len(args) :]) == list(constexprs), (kernel.arg_names, list(constexprs))
         _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
         return
-    compiled[grid](*args, *constexprs.values())  # type: ignore[index]
+    compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # type: ignore[index]  # the runner wants 3 dims
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +257,7 @@ def quantize_groups(
     colwise: bool = False,
     rows_out: int | None = None,
     outer_major_scales: bool = False,
-    config: tuple[int, int, bool] | None = None,
+    config: tuple[int, int, str] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """1 x ``group`` quantization of a 2-D ``x [R, C]``: returns ``(q, s, qt, st)``.
 
@@ -271,7 +267,10 @@ def quantize_groups(
     ``rows_out`` (>= R, default R) pads the outputs with zero rows (the GEMMs need multiples of 16 or 128;
     zero rows leave every real group's amax unchanged).  ``outer_major_scales`` lays ``s`` and ``st`` out
     with stride ``(1, rows)`` -- what cuBLAS's 1x128 block scaling reads -- instead of row-major.
-    ``config`` = ``(rows per program, warps, transpose in registers)`` overrides the tuned launch (benchmarks).
+    ``config`` = ``(rows or columns per program, warps, mode)`` overrides the tuned launch (benchmarks): with
+    only ``rowwise`` the first entry is rows per program; with ``colwise`` the mode ``"fused"`` writes both
+    copies from one 128x128 tile per program, ``"split"`` runs a rowwise launch and a colwise-only launch
+    over 128 x ``cols`` tiles (an extra read of the input, far fewer registers per program).
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_groups needs a 2-D tensor, got shape {tuple(x.shape)}")
@@ -295,23 +294,31 @@ def quantize_groups(
     st = scales(c, n_gt) if colwise else None
     if r_out == 0 or c == 0:
         return q, s, qt, st
-    # With the transpose, a program's rows are one group of the transposed output.
-    br, warps, trans_store = config or GROUPS_CONFIG[colwise]
-    if colwise:
-        br = group
+    size, warps, mode = config or (GROUPS_COLWISE_CONFIG if colwise else GROUPS_ROWWISE_CONFIG)
     dummy = x  # any tensor: the pointer of an output that is not written
-    _launch(
-        _groups_kernel, (triton.cdiv(r_out, br), n_g),
-        (x, q if q is not None else dummy, s if s is not None else dummy,
-         qt if qt is not None else dummy, st if st is not None else dummy,
-         r, c, r_out,
-         x.stride(0), x.stride(1),
-         c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-         r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-        warps,
-        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br,
-        ROWWISE=rowwise, TRANSPOSE=colwise, TRANS_STORE=trans_store,
-    )  # fmt: skip
+
+    def launch(rw: bool, cw: bool, br: int, bc: int, w: int) -> None:
+        _launch(
+            _groups_kernel, (triton.cdiv(r_out, br), triton.cdiv(c, bc)),
+            (x, q if rw and q is not None else dummy, s if rw and s is not None else dummy,
+             qt if cw and qt is not None else dummy, st if cw and st is not None else dummy,
+             r, c, r_out,
+             x.stride(0), x.stride(1),
+             c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
+             r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
+            w,
+            FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br, BC=bc,
+            ROWWISE=rw, TRANSPOSE=cw,
+        )  # fmt: skip
+
+    if not colwise:
+        launch(True, False, size, group, warps)
+    elif mode == "fused":  # one 128x128 tile per program: a program's rows are one transposed group
+        launch(rowwise, True, group, group, warps)
+    else:
+        if rowwise:
+            launch(True, False, GROUPS_ROWWISE_CONFIG[0], group, GROUPS_ROWWISE_CONFIG[1])
+        launch(False, True, group, size, warps)
     return q, s, qt, st
 
 

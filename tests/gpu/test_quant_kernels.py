@@ -100,13 +100,16 @@ def test_one_pass_rowwise_and_colwise_equal_the_reference_of_x_and_x_transposed(
     assert not q[m:].view(torch.uint8).any() and not qt[:, m:].view(torch.uint8).any()  # zero padding rows
 
 
-@pytest.mark.parametrize("config", [(32, 4, False), (64, 8, False), (128, 4, True), (128, 8, True), (128, 16, False)])
-def test_every_launch_config_gives_the_same_bytes(config: tuple[int, int, bool]) -> None:
+@pytest.mark.parametrize(
+    "config", [(16, 2, "split"), (64, 8, "split"), (128, 8, "fused"), (128, 16, "fused"), (16, 2, ""), (64, 8, "")]
+)
+def test_every_launch_config_gives_the_same_bytes(config: tuple[int, int, str]) -> None:
     from fp8rl.quant.formats import E4M3
 
     x = _input((1000, 1024), 5)
-    want = kernels.quantize_groups(x, E4M3, False, 128, colwise=True)
-    got = kernels.quantize_groups(x, E4M3, False, 128, colwise=config[0] == 128, config=config)
+    colwise = bool(config[2])
+    want = kernels.quantize_groups(x, E4M3, False, 128, colwise=colwise)
+    got = kernels.quantize_groups(x, E4M3, False, 128, colwise=colwise, config=config)
     for a, b in zip(got, want, strict=True):
         if a is not None:
             assert b is not None and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
