@@ -3,6 +3,8 @@
   trainer   TorchTrainer.sft_step (forward + backward + AdamW on fp32 masters) on 4 Llama-3-8B-width decoder
             layers, 8 x 2,048 tokens, torch BF16 vs torch FP8 (block, fused path), same process; median of
             --steps after --warmup.
+  profile   device time of one trainer step by kernel category (GEMMs, FP8 quantization, attention, optimizer,
+            the rest), BF16 vs FP8: the share of the step FP8 can speed up.
   requant   requantize_for_rollout + packing into sync buckets of a Llama-3.1-8B-shaped model (random bf16
             weights on the GPU): fused kernels vs the torch reference, with bytes moved / time vs the copy
             bandwidth measured in the same run.
@@ -64,6 +66,58 @@ def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
     base = statistics.median([out["torch-bf16"]["median_step_s"], out["torch-bf16-again"]["median_step_s"]])
     out["fp8_speedup_vs_bf16"] = base / out["torch-fp8-block"]["median_step_s"]
+    return out
+
+
+CATEGORIES = [  # (category, substrings of the kernel name, lowercase); first match wins
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
+    ("fp8 quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+]
+
+
+def section_profile(a: argparse.Namespace) -> dict[str, Any]:
+    """Device time of one trainer step by kernel category, BF16 vs FP8: what bounds the step speedup."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, seq = a.batch, a.seq
+    ids = torch.randint(1, 2048, (n, seq))
+    batch = SequenceBatch(
+        ids, torch.ones_like(ids), torch.arange(seq).expand(n, seq).clone(), torch.ones(n, seq - 1), 1
+    )
+    out: dict[str, Any] = {}
+    for precision in ("bf16", "fp8"):
+        trainer = TorchTrainer(
+            decoder_stack("llama3-8b", a.layers, seq), opts(precision, "block", "torch", mbs=n), device="cuda"
+        )
+        for _ in range(2):
+            trainer.sft_step(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            trainer.sft_step(batch)
+            torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        kernels_ms: list[tuple[str, float]] = []
+        for e in prof.key_averages():
+            ms = e.self_device_time_total / 1e3
+            if ms <= 0:
+                continue
+            name = e.key.lower()
+            cat = next(
+                (c for c, keys in CATEGORIES if any(k in name for k in keys)),
+                "other (norms, rope, silu, casts, copies)",
+            )
+            totals[cat] = totals.get(cat, 0.0) + ms
+            kernels_ms.append((e.key[:90], ms))
+        out[precision] = {"device_ms_by_category": totals, "device_ms_total": sum(totals.values()),
+                          "top_kernels": sorted(kernels_ms, key=lambda t: -t[1])[:12]}  # fmt: skip
+        say(
+            f"[profile] {precision}: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(totals.items(), key=lambda t: -t[1]))
+        )
+        del trainer
+        torch.cuda.empty_cache()
     return out
 
 
@@ -139,7 +193,7 @@ def section_requant(a: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sections", default="trainer,requant")
+    p.add_argument("--sections", default="trainer,requant,profile")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
@@ -150,7 +204,11 @@ def main() -> None:
     out = Path(os.environ.get("OUT", ".")) / "fp8_speed.json"
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "sections": {}}  # fmt: skip
-    fns = {"trainer": lambda: section_trainer(a), "requant": lambda: section_requant(a)}
+    fns = {
+        "trainer": lambda: section_trainer(a),
+        "requant": lambda: section_requant(a),
+        "profile": lambda: section_profile(a),
+    }
     for name in a.sections.split(","):
         run_section(report, name, fns[name], out, say)
 

@@ -325,13 +325,8 @@ def host_costs() -> dict[str, Any]:
             return a
 
     out: dict[str, Any] = {}
-    for fast in (True, False):
-        kernels.FAST_LAUNCH = fast
-        out[f"quantize_groups_fast_launch_{fast}"] = host_us(lambda: kernels.quantize_groups(x, E4M3, False, 128))
-        out[f"quantize_block_input_colwise_fast_launch_{fast}"] = host_us(
-            lambda: quantize_block_input(x, spec, rowwise=True, colwise=True)
-        )
-    kernels.FAST_LAUNCH = True
+    out["quantize_groups"] = host_us(lambda: kernels.quantize_groups(x, E4M3, False, 128))
+    out["quantize_block_input_colwise"] = host_us(lambda: quantize_block_input(x, spec, rowwise=True, colwise=True))
     out["torch_empty_x4"] = host_us(lambda: [torch.empty(1024, 4096, device="cuda") for _ in range(4)])
     xq, xs, _, _ = quantize_block_input(x, spec, rowwise=True, colwise=False)
     assert xq is not None and xs is not None
@@ -343,10 +338,9 @@ def host_costs() -> dict[str, Any]:
     out["empty_autograd_function"] = host_us(lambda: Nothing.apply(a))
     lin = FP8TrainLinear.from_linear(torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16), spec)
     xg = x.clone().requires_grad_(True)
-    for fast in (True, False):
-        kernels.FAST_LAUNCH = fast
-        out[f"fp8_linear_fwd_bwd_fast_launch_{fast}"] = host_us(lambda: lin(xg).sum().backward(), calls=50)
-    kernels.FAST_LAUNCH = True
+    out["fp8_linear_fwd_bwd"] = host_us(lambda: lin(xg).sum().backward(), calls=50)
+    base = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    out["bf16_linear_fwd_bwd"] = host_us(lambda: base(xg).sum().backward(), calls=50)
     import cProfile
     import io
     import pstats
@@ -361,11 +355,6 @@ def host_costs() -> dict[str, Any]:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
     out["cprofile_fp8_linear_20_calls"] = text.getvalue()[-6000:]
-    out["compiled_kernels"] = [
-        {"name": getattr(k, "name", "?"), "key": str(key[1:3])[:200], "n_regs": getattr(k, "n_regs", None),
-         "n_spills": getattr(k, "n_spills", None), "shared": getattr(getattr(k, "metadata", None), "shared", None)}
-        for key, k in kernels._COMPILED.items()
-    ]  # fmt: skip
     return out
 
 

@@ -207,40 +207,12 @@ if triton is not None:
 # Launch configurations, chosen by a sweep on an H100 (fp8rl.bench.kernels --sweep; docs/benchmarks.md):
 # rowwise only: (rows per program, warps, -); with the transposed copy: (columns per program, warps, mode).
 GROUPS_ROWWISE_CONFIG: tuple[int, int, str] = (32, 4, "")
-GROUPS_COLWISE_CONFIG: tuple[int, int, str] = (32, 4, "split")
+GROUPS_COLWISE_CONFIG: tuple[int, int, str] = (64, 4, "split")
 TILES_WARPS = 16
 
 
-# Compiled kernels by everything Triton specializes a launch on (constexprs, warps, each integer's ==1 /
-# divisible-by-16 / 32-bit-range, each pointer's dtype and 16-byte alignment, the device), so a repeated
-# launch skips the JIT's argument binding and cache-key building (the host cost of a small kernel).
-_COMPILED: dict[tuple[object, ...], object] = {}
-FAST_LAUNCH = True
-
-
-def _arg_spec(v: object) -> object:
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
-    if isinstance(v, bool):
-        return ("b", v)
-    if isinstance(v, int):
-        return ("i", v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
-    return (type(v), v)
-
-
 def _launch(kernel, grid: tuple[int, ...], args: tuple[object, ...], num_warps: int, **constexprs: object) -> None:
-    """``kernel[grid](*args, **constexprs, num_warps=num_warps)``, through the compiled-kernel cache."""
-    if not FAST_LAUNCH:
-        kernel[grid](*args, **constexprs, num_warps=num_warps)
-        return
-    key = (kernel, num_warps, tuple(constexprs.items()), tuple(_arg_spec(a) for a in args), torch.cuda.current_device())
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        # the cached launch passes constexprs positionally: they must be the kernel's trailing parameters
-        assert list(kernel.arg_names[len(args) :]) == list(constexprs), (kernel.arg_names, list(constexprs))
-        _COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
-        return
-    compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())  # type: ignore[index]  # the runner wants 3 dims
+    kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
