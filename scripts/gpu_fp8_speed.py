@@ -70,9 +70,9 @@ def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
 
 
 CATEGORIES = [  # (category, substrings of the kernel name, lowercase); first match wins
+    ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
     ("fp8 quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
 ]
 

@@ -15,7 +15,7 @@ python3 -m pytest -q -p no:cacheprovider --maxfail=25 ${TESTS:-tests/gpu/test_qu
 test_rc=$?
 tail -25 "$OUT/pytest_kernels.log"
 python3 -m fp8rl.bench.kernels --shapes "${SHAPES:-8192x14336x4096,8192x4096x4096,4096x4096x4096,16384x6144x4096,256x1536x1536}" \
-    --json "$OUT/kernels.json"
+    --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 bench_rc=$?
 timeout "${SPEED_TIMEOUT:-300}" python3 scripts/gpu_fp8_speed.py ${SPEED_ARGS:-}
 speed_rc=$?

@@ -42,6 +42,13 @@ Granularities (``granularity``), for a weight W[out, in] and activations X[..., 
             multiple of the block use the ceil-div grid: the last block is partial
             and its amax covers only the real elements.
 
+Kernels
+    On CUDA (sm_89+, with Triton) the quantizers run fused Triton kernels (``fp8rl.quant.kernels``):
+    one pass over the input that writes the FP8 bytes and the scales, byte-identical to the torch
+    reference (``backend="torch"``), which stays the CPU path and the oracle of the GPU tests.  The
+    training linear's fast path (``fp8rl.quant.block_linear``) also writes, in the same launch or one
+    beside it, the transposed copy the wgrad GEMM contracts over, and the cuBLAS scale layouts.
+
 GEMM
     :func:`fp8_gemm` computes ``X @ W.T`` from two quantized operands.  On CUDA with
     FP8 tensor cores it calls torch's scaled matmul (FP8 inputs, FP32 accumulation);
@@ -50,6 +57,7 @@ GEMM
     differ only by FP32 summation order.
 """
 
+from fp8rl.quant import kernels
 from fp8rl.quant.formats import E4M3, E5M2, FP8Format, get_format
 from fp8rl.quant.gemm import fp8_gemm, fp8_gemm_backend
 from fp8rl.quant.quantize import (
@@ -80,6 +88,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_gemm_backend",
     "get_format",
+    "kernels",
     "quantize",
     "quantize_activation",
     "quantize_blockwise",
