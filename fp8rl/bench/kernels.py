@@ -433,13 +433,6 @@ def format_tables(r: dict[str, Any]) -> str:
             "host us per call: "
             + "; ".join(f"{k} {v:.1f}" for k, v in r["host_costs_us"].items() if isinstance(v, float)),
         ]
-        lines += [
-            "compiled: "
-            + "; ".join(
-                f"{c['name']} {c['key']} regs {c['n_regs']} spills {c['n_spills']} smem {c['shared']}"
-                for c in r["host_costs_us"]["compiled_kernels"]
-            )
-        ]
     if "host_costs_us" in r:
         lines += ["", r["host_costs_us"].get("cprofile_fp8_linear_20_calls", "")]
     if "host_profile_8192x4096x4096" in r:
@@ -474,13 +467,13 @@ def main_with_args(args: argparse.Namespace) -> int:
         print("fp8rl bench kernels: error: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     result = run(shapes, sweep=args.sweep)
-    print(format_tables(result))
-    if args.json:
+    if args.json:  # the measurements first: a table that fails to print loses nothing
         dst = Path(args.json)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.tmp")
         tmp.write_text(json.dumps(result, indent=2))
         tmp.replace(dst)
+    print(format_tables(result))
     return 0
 
 

@@ -90,3 +90,26 @@ def test_bench_kernels_command_errors(capsys: pytest.CaptureFixture[str]) -> Non
     if not torch.cuda.is_available():
         assert main(["bench", "kernels", "--shapes", "128x128x128"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_tables_render_every_section() -> None:
+    from fp8rl.bench.kernels import format_tables
+
+    result = {
+        "device": "GPU", "torch": "2.x", "copy_gb_per_s": 3000.0,
+        "quant": [{"shape": [8192, 4096], "kernel": "act 1x128 fused", "ms": 0.04, "eager_ms": 0.09, "gb_per_s": 2600.0, "fraction_of_copy": 0.87}],
+        "gemm": [{"mnk": [8192, 4096, 4096], "bf16_ms": 0.48, "fp8_block_gemm_ms": 0.35, "act_quant_fused_ms": 0.12,
+                  "block_speedup_incl_quant": 1.02, "block_speedup_gemm_only": 1.37, "fp8_block_1x128x1x128_gemm_ms": 0.44,
+                  "tflops_bf16": 570.0, "tflops_fp8_block": 784.0}],
+        "linear": [{"mnk": [8192, 4096, 4096], "bf16_ms": 1.1, "fp8_ms": 1.4, "speedup": 0.79, "bf16_back_to_back_ms": 1.0,
+                    "fp8_back_to_back_ms": 1.1, "fp8_host_ms": 1.1, "speedup_back_to_back": 0.91, "bf16_device_ms": 1.06,
+                    "fp8_device_ms": 0.88, "speedup_device": 1.21, "fp8_weight_requantized_each_call_ms": 1.7,
+                    "speedup_weight_requantized": 0.69}],
+        "sweep": {"8192x4096": [{"kernel": "groups", "config": [32, 4], "ms": 0.039, "fraction_of_copy": 0.87}]},
+        "host_costs_us": {"quantize_groups": 45.0, "cprofile_fp8_linear_20_calls": "profile text"},
+        "host_profile_8192x4096x4096": [{"op": "aten::_scaled_mm_v2", "self_cpu_us_per_call": 177.0, "count": 3.0}],
+    }  # fmt: skip
+    text = format_tables(result)
+    for needle in ["| 8192x4096 | act 1x128 fused | 0.040 | 2600 | 87% |", "| 1.37x |", "0.91x", "1.21x",
+                   "groups [32, 4]: 0.039 ms 87%", "quantize_groups 45.0", "profile text", "aten::_scaled_mm_v2 177us"]:  # fmt: skip
+        assert needle in text, needle
