@@ -200,10 +200,16 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=1024)
+    p.add_argument("--colwise-config", default=None, help="override the transposed-copy launch, e.g. 32,4,dual")
     a = p.parse_args()
+    if a.colwise_config:
+        from fp8rl.quant import kernels
+
+        size, warps, mode = a.colwise_config.split(",")
+        kernels.GROUPS_COLWISE_CONFIG = (int(size), int(warps), mode)
     out = Path(os.environ.get("OUT", ".")) / "fp8_speed.json"
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "date": time.strftime("%Y-%m-%d"), "sections": {}}  # fmt: skip
+                              "date": time.strftime("%Y-%m-%d"), "colwise_config": a.colwise_config, "sections": {}}  # fmt: skip
     fns = {
         "trainer": lambda: section_trainer(a),
         "requant": lambda: section_requant(a),
