@@ -20,6 +20,13 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pow2-scales", action="store_true", help="round scales up to powers of two")
     p.add_argument("--bf16-first-layers", type=int, default=0, metavar="N", help="keep the first N decoder layers")
     p.add_argument("--bf16-last-layers", type=int, default=0, metavar="N", help="keep the last N decoder layers")
+    p.add_argument(
+        "--partial-tiles",
+        choices=["keep", "quantize"],
+        default="keep",
+        help="block FP8: keep linears that are not whole 128x128 tiles in their dtype (default; what transformers "
+        "and vLLM load) or quantize them with partial tiles (fp8rl's own engines only)",
+    )
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -43,6 +50,7 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
         pow2_scales=args.pow2_scales,
         bf16_first_layers=args.bf16_first_layers,
         bf16_last_layers=args.bf16_last_layers,
+        partial_tiles=getattr(args, "partial_tiles", "keep"),
     )
 
 

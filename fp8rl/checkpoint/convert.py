@@ -2,7 +2,16 @@
 
 Only the linear layers of decoder blocks are quantized (``fp8rl.models.layers.DECODER_LINEAR``);
 embeddings, lm_head, norms, biases and the configured BF16 layers keep their
-dtype.  One input shard is held in memory at a time, so peak memory follows the
+dtype.
+
+Partial tiles (``partial_tiles``).  The consumers of a block-FP8 checkpoint -- transformers'
+FP8 loader and vLLM -- need every quantized weight to be whole ``weight_block`` tiles
+(transformers: "Weight shape (192, 576) not divisible by scale grid"; vLLM: each part of a
+fused qkv / gate_up).  By default (``"keep"``) a decoder linear whose shape is not a multiple
+of the block in both dimensions keeps its source dtype, is named in the config's
+``modules_to_not_convert`` and is listed, with the reason, in the conversion report.
+``"quantize"`` quantizes it anyway with ceil-div tiles (fp8rl's own engines read that; the
+consumers above do not).  One input shard is held in memory at a time, so peak memory follows the
 largest shard, not the model.  The destination is written to a temporary
 directory and renamed when complete.
 """
@@ -56,6 +65,7 @@ class ConvertOptions:
     bf16_last_layers: int = 0
     weight_block: tuple[int, int] = (128, 128)
     fmt: str = "e4m3"
+    partial_tiles: str = "keep"  # keep | quantize (module docstring)
 
     def spec(self) -> QuantSpec:
         return QuantSpec(
@@ -74,6 +84,23 @@ class ConvertOptions:
 class _Progress:
     bar: Any
     tensors: list[TensorReport] = field(default_factory=list)
+    partial: list[dict[str, Any]] = field(default_factory=list)
+
+
+PARTIAL_TILES = ("keep", "quantize")
+
+
+def partial_tile_reason(shape: tuple[int, ...], opts: ConvertOptions) -> str | None:
+    """Why a weight of ``shape`` is not whole ``opts.weight_block`` tiles (block granularity), else None."""
+    if opts.granularity != "block" or opts.partial_tiles == "quantize" or len(shape) != 2:
+        return None
+    br, bc = opts.weight_block
+    if shape[0] % br == 0 and shape[1] % bc == 0:
+        return None
+    return (
+        f"{shape[0]}x{shape[1]} is not whole {br}x{bc} tiles; transformers' and vLLM's block-FP8 loaders "
+        f"refuse partial tiles, so it stays in its source dtype"
+    )
 
 
 def _validate_source(src: Path) -> dict[str, Any]:
@@ -107,7 +134,10 @@ def _convert_shard(
             t = f.get_tensor(name)
             _check_tensor(t, name, src_file)
             match = DECODER_LINEAR.match(name)
-            if match is None or int(match["layer"]) in kept or t.dim() != 2:
+            reason = partial_tile_reason(tuple(t.shape), opts) if match is not None else None
+            if match is None or int(match["layer"]) in kept or t.dim() != 2 or reason is not None:
+                if match is not None and reason is not None and int(match["layer"]) not in kept:
+                    progress.partial.append({"module": match["module"], "shape": list(t.shape), "reason": reason})
                 out[name] = t
                 progress.bar.update(1)
                 continue
@@ -157,6 +187,8 @@ def convert_checkpoint(
     """
     opts = opts or ConvertOptions()
     spec = opts.spec()  # validates granularity / format / blocks
+    if opts.partial_tiles not in PARTIAL_TILES:
+        raise CheckpointError(f"partial_tiles must be one of {PARTIAL_TILES}, got {opts.partial_tiles!r}")
     src_path, dst_path = Path(src), Path(dst)
     cfg = _validate_source(src_path)
     layout = shard_layout(src_path)
@@ -178,16 +210,21 @@ def convert_checkpoint(
         bar.close()
         if layout.sharded:
             write_index(tmp, layout.files, weight_map)
+        partial_modules = sorted(m["module"] for m in progress.partial)
         cfg_out = {
             **cfg,
             "quantization_config": quantization_config(
-                opts.granularity, opts.weight_block, not_converted_modules(kept), opts.fmt
+                opts.granularity, opts.weight_block, not_converted_modules(kept) + partial_modules, opts.fmt
             ),
         }
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
         copy_side_files(src_path, tmp, {*layout.files, INDEX_NAME, "config.json"})
         report = ConversionReport(
-            source=str(src_path), options=dataclasses.asdict(opts), tensors=progress.tensors, kept_layers=sorted(kept)
+            source=str(src_path),
+            options=dataclasses.asdict(opts),
+            tensors=progress.tensors,
+            kept_layers=sorted(kept),
+            kept_partial_tiles=sorted(progress.partial, key=lambda m: m["module"]),
         )
         report.bytes_before = sum((src_path / f).stat().st_size for f in layout.files)
         report.bytes_after = sum((tmp / f).stat().st_size for f in layout.files)

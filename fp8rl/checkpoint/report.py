@@ -48,6 +48,8 @@ class ConversionReport:
     options: dict[str, Any]
     tensors: list[TensorReport] = field(default_factory=list)
     kept_layers: list[int] = field(default_factory=list)
+    # modules left in their source dtype because their shape is not whole weight tiles: {module, shape, reason}
+    kept_partial_tiles: list[dict[str, Any]] = field(default_factory=list)
     bytes_before: int = 0  # weight files on disk
     bytes_after: int = 0
 
@@ -76,6 +78,7 @@ class ConversionReport:
             "source": self.source,
             "options": self.options,
             "kept_layers": self.kept_layers,
+            "kept_partial_tiles": self.kept_partial_tiles,
             "summary": self.summary(),
             "tensors": [asdict(t) for t in self.tensors],
         }
@@ -91,6 +94,8 @@ class ConversionReport:
             f"- source: `{self.source}`",
             f"- options: {opts}",
             f"- layers kept in original precision: {self.kept_layers or 'none'}",
+            f"- modules kept in original precision because they are not whole weight tiles: "
+            f"{len(self.kept_partial_tiles) or 'none'}",
             f"- tensors quantized: {s['tensors_quantized']}",
             f"- relative error (Frobenius), mean / max: {s['rel_error_mean']:.3e} / {s['rel_error_max']:.3e}",
             f"- quantized tensors: {_mib(s['quantized_bytes_before'])} -> {_mib(s['quantized_bytes_after'])} "
@@ -107,6 +112,11 @@ class ConversionReport:
                 f"| `{t.name}` | {'x'.join(map(str, t.shape))} | {t.rel_error:.3e} | {t.max_abs_error:.3e} "
                 f"| {t.bytes_before} | {t.bytes_after} |"
             )
+        if self.kept_partial_tiles:
+            lines += ["", "## Kept in original precision: not whole weight tiles", "",
+                      "| module | shape | why |", "|---|---|---|"]  # fmt: skip
+            for m in self.kept_partial_tiles:
+                lines.append(f"| `{m['module']}` | {'x'.join(map(str, m['shape']))} | {m['reason']} |")
         return "\n".join(lines) + "\n"
 
 

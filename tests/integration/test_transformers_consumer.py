@@ -51,3 +51,32 @@ def test_transformers_loads_block_fp8(tmp_path: Path, tiny_models: dict[str, Pat
         got, want = loaded(ids).logits.double(), ref(ids).logits.double()
     rel = ((got - want).norm() / want.norm()).item()
     assert 0 < rel < tol, f"logits relative error {rel:.4f} exceeds derived tolerance {tol:.4f}"
+
+
+def test_transformers_loads_a_model_with_partial_tiles(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """tiny-odd's linears are not whole 128x128 tiles (as SmolLM's 192-row k/v and 576-wide inputs are not): the
+    converter keeps them in bf16, names them in modules_to_not_convert and the report, and transformers loads it."""
+    import json
+
+    src = tiny_models["tiny-odd"]
+    fp8, deq = tmp_path / "fp8", tmp_path / "deq"
+    report = convert_checkpoint(src, fp8, ConvertOptions(), show_progress=False)
+    kept = {m["module"] for m in report.kept_partial_tiles}
+    assert kept and all("not whole 128x128 tiles" in m["reason"] for m in report.kept_partial_tiles)
+    qcfg = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert kept <= set(qcfg["modules_to_not_convert"])
+    assert "not whole weight tiles" in (fp8 / "fp8rl_conversion_report.md").read_text()
+
+    dequantize_checkpoint(fp8, deq, show_progress=False)
+    loaded, ours = AutoModelForCausalLM.from_pretrained(fp8), AutoModelForCausalLM.from_pretrained(deq)
+    ref = AutoModelForCausalLM.from_pretrained(src)
+    sd_loaded, sd_ours, sd_ref = loaded.state_dict(), ours.state_dict(), ref.state_dict()
+    for name, t in sd_loaded.items():
+        assert torch.equal(t, sd_ours[name]), f"{name} differs from fp8rl dequantize"
+        if name.removesuffix(".weight") in kept:
+            assert torch.equal(t, sd_ref[name]), f"{name} was kept in bf16 but changed"
+    quantized = [m.name for m in report.tensors]
+    assert all(not torch.equal(sd_loaded[n], sd_ref[n]) for n in quantized[:3])
+    ids = torch.randint(4, 60, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()

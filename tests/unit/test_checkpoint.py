@@ -25,6 +25,9 @@ from fp8rl.models import PRESETS, UnsupportedModelError
 from fp8rl.quant import QuantSpec, quantize_weight
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS_FULL = tuple(
+    f"self_attn.{n}" if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else f"mlp.{n}" for n in LINEARS
+)
 
 
 def all_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -41,7 +44,8 @@ def leftovers(parent: Path) -> list[str]:
 @pytest.mark.parametrize("preset", ["tiny", "tiny-odd"])
 def test_block_layout_matches_deepseek_vllm_format(tmp_path: Path, tiny_models: dict[str, Path], preset: str) -> None:
     dst = tmp_path / "fp8"
-    convert_checkpoint(tiny_models[preset], dst, ConvertOptions(), show_progress=False)
+    # tiny-odd: partial tiles quantized on request (fp8rl's own engines read them; the default keeps them bf16)
+    convert_checkpoint(tiny_models[preset], dst, ConvertOptions(partial_tiles="quantize"), show_progress=False)
     src, out = all_tensors(tiny_models[preset]), all_tensors(dst)
     qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "fp8" and qcfg["weight_block_size"] == [128, 128]
@@ -132,7 +136,8 @@ def test_manifest_hashes_every_file(tmp_path: Path, tiny_models: dict[str, Path]
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_dequantize_inverts_stored_values(tmp_path: Path, tiny_models: dict[str, Path], granularity: str) -> None:
     fp8, deq = tmp_path / "fp8", tmp_path / "deq"
-    convert_checkpoint(tiny_models["tiny-odd"], fp8, ConvertOptions(granularity=granularity), show_progress=False)
+    opts = ConvertOptions(granularity=granularity, partial_tiles="quantize")
+    convert_checkpoint(tiny_models["tiny-odd"], fp8, opts, show_progress=False)
     dequantize_checkpoint(fp8, deq, show_progress=False)
     src, back = all_tensors(tiny_models["tiny-odd"]), all_tensors(deq)
     assert set(src) == set(back)
@@ -220,3 +225,30 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_models: dict[str, Pa
     with pytest.raises(KeyboardInterrupt):
         convert_checkpoint(tiny_models["small-sharded"], dst, show_progress=False, on_shard=boom)
     assert not dst.exists() and leftovers(tmp_path) == []
+
+
+def test_partial_tiles_are_kept_in_bf16_by_default_and_named(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    dst = tmp_path / "fp8"
+    report = convert_checkpoint(tiny_models["tiny-odd"], dst, ConvertOptions(bf16_first_layers=1), show_progress=False)
+    src, out = all_tensors(tiny_models["tiny-odd"]), all_tensors(dst)
+    qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    kept = {m["module"] for m in report.kept_partial_tiles}
+    # layer 0 is a BF16 layer (listed as such, not as a partial tile); the other layers' partial modules are kept
+    assert kept and not any(m.startswith("model.layers.0.") for m in kept)
+    assert set(qcfg["modules_to_not_convert"]) == {"lm_head"} | {f"model.layers.0.{s}" for s in LINEARS_FULL} | kept
+    for module in kept:
+        w = out[module + ".weight"]
+        assert w.dtype == torch.bfloat16 and torch.equal(w, src[module + ".weight"])
+        assert module + ".weight_scale_inv" not in out
+        shape = src[module + ".weight"].shape
+        assert shape[0] % 128 or shape[1] % 128
+    for t in report.tensors:  # whatever was quantized is whole tiles
+        assert t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0
+    assert report.to_dict()["kept_partial_tiles"] == report.kept_partial_tiles
+    for opts in (ConvertOptions(granularity="row"), ConvertOptions(partial_tiles="quantize")):
+        assert not convert_checkpoint(tiny_models["tiny-odd"], tmp_path / opts.granularity / opts.partial_tiles, opts,
+                                      show_progress=False).kept_partial_tiles  # fmt: skip
+    with pytest.raises(CheckpointError, match="partial_tiles"):
+        convert_checkpoint(
+            tiny_models["tiny"], tmp_path / "bad", ConvertOptions(partial_tiles="pad"), show_progress=False
+        )
