@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -115,6 +115,38 @@ def _validate_source(src: Path) -> dict[str, Any]:
     return cfg
 
 
+def read_headers(root: Path, files: list[str]) -> dict[str, tuple[str, list[int]]]:
+    """``{tensor: (file, shape)}`` from every shard's header; a corrupt or truncated file is a ``CheckpointError``."""
+    found: dict[str, tuple[str, list[int]]] = {}
+    for file in files:
+        try:
+            with safe_open(str(root / file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+                    if name in found:
+                        raise CheckpointError(f"{root / file}: tensor {name} is also in {found[name][0]}")
+                    found[name] = (file, list(f.get_slice(name).get_shape()))
+        except SafetensorError as e:
+            raise CheckpointError(f"{root / file}: not a readable safetensors file ({e}); is it truncated?") from None
+    return found
+
+
+def check_config_matches_weights(cfg: dict[str, Any], headers: dict[str, tuple[str, list[int]]], src: Path) -> None:
+    """The config's layer count, hidden size and vocabulary must describe the weights (a clear error if not)."""
+    where = src / "config.json"
+    layers = {int(m["layer"]) for name in headers if (m := DECODER_LINEAR.match(name))}
+    n = int(cfg["num_hidden_layers"])
+    if layers and (max(layers) >= n or len(layers) != n):
+        raise CheckpointError(
+            f"{where}: num_hidden_layers is {n}, but the weights have decoder layers {sorted(layers)[:3]}..."
+            f"{sorted(layers)[-1]} ({len(layers)} layers)"
+        )
+    embed = headers.get("model.embed_tokens.weight")
+    if embed is not None and len(embed[1]) == 2:
+        for key, got in (("vocab_size", embed[1][0]), ("hidden_size", embed[1][1])):
+            if key in cfg and int(cfg[key]) != got:
+                raise CheckpointError(f"{where}: {key} is {cfg[key]}, but model.embed_tokens.weight is {embed[1]}")
+
+
 def _check_tensor(t: torch.Tensor, name: str, file: Path) -> None:
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise CheckpointError(f"{file}: tensor {name} is already FP8 ({t.dtype}); the input must be bf16/fp16/fp32")
@@ -131,7 +163,10 @@ def _convert_shard(
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(src_file), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
-            t = f.get_tensor(name)
+            try:
+                t = f.get_tensor(name)
+            except SafetensorError as e:
+                raise CheckpointError(f"{src_file}: tensor {name} cannot be read ({e})") from None
             _check_tensor(t, name, src_file)
             match = DECODER_LINEAR.match(name)
             reason = partial_tile_reason(tuple(t.shape), opts) if match is not None else None
@@ -194,10 +229,9 @@ def convert_checkpoint(
     layout = shard_layout(src_path)
     num_layers = int(cfg["num_hidden_layers"])
     kept = opts.kept_layers(num_layers)
-    n_tensors = 0
-    for file in layout.files:
-        with safe_open(str(src_path / file), framework="pt") as f:
-            n_tensors += len(list(f.keys()))
+    headers = read_headers(src_path, layout.files)  # every input is checked before anything is written
+    check_config_matches_weights(cfg, headers, src_path)
+    n_tensors = len(headers)
 
     with atomic_directory(dst_path, overwrite=overwrite) as tmp:
         bar = tqdm(total=n_tensors, desc=f"convert -> fp8 {opts.granularity}", unit="tensor", disable=not show_progress)

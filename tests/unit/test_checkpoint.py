@@ -252,3 +252,33 @@ def test_partial_tiles_are_kept_in_bf16_by_default_and_named(tmp_path: Path, tin
         convert_checkpoint(
             tiny_models["tiny"], tmp_path / "bad", ConvertOptions(partial_tiles="pad"), show_progress=False
         )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing-shard", "layers", "hidden"])
+def test_bad_inputs_name_the_file_and_write_nothing(tmp_path: Path, tiny_models: dict[str, Path], damage: str) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(tiny_models["small-sharded"], src)
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    cfg_path = src / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if damage == "truncated":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        expect = f"{shard}: not a readable safetensors file"
+    elif damage == "garbage":
+        shard.write_bytes(b"not safetensors at all")
+        expect = f"{shard}: not a readable safetensors file"
+    elif damage == "missing-shard":
+        shard.unlink()
+        expect = "names shard(s) that do not exist"
+    elif damage == "layers":
+        cfg_path.write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 2}))
+        expect = f"{cfg_path}: num_hidden_layers is"
+    else:
+        cfg_path.write_text(json.dumps({**cfg, "hidden_size": cfg["hidden_size"] * 2}))
+        expect = f"{cfg_path}: hidden_size is"
+    dst = tmp_path / "out"
+    with pytest.raises(CheckpointError) as err:
+        convert_checkpoint(src, dst, ConvertOptions(), show_progress=False)
+    assert expect in str(err.value)
+    assert not dst.exists() and not leftovers(tmp_path)
