@@ -149,7 +149,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from fp8rl.experiment import compare_recipes, tracked_run
     from fp8rl.tracking import configure_mlflow
 
+    from fp8rl.loop import validate_inputs
+
     cfgs = _run_configs(args)
+    for c in cfgs:  # task files and the reward are checked before any model work (SFT warm-up takes minutes)
+        validate_inputs(c)
     work = Path(cfgs[0].work_dir)
     models: dict[int, Path] = {}
     for c in cfgs:  # one starting checkpoint per seed, shared by that seed's recipes

@@ -122,7 +122,14 @@ class OptimConfig(_Strict):
     micro_batch_size: int = Field(64, ge=1)
 
 
-class ArithmeticTaskConfig(_Strict):
+class _PromptOptions(_Strict):
+    # auto: the tokenizer's chat template when it has one; always: it or an error; never: raw text
+    # (fp8rl.tasks.prompts)
+    chat_template: Literal["auto", "always", "never"] = "auto"
+    system_prompt: str | None = None
+
+
+class ArithmeticTaskConfig(_PromptOptions):
     """The built-in synthetic task (``fp8rl.tasks.ArithmeticTask``)."""
 
     type: Literal["arithmetic"] = "arithmetic"
@@ -131,12 +138,41 @@ class ArithmeticTaskConfig(_Strict):
     num_operands: int = Field(2, ge=2)
 
 
-class JsonlTaskConfig(_Strict):
-    """Users' own data: JSONL files of ``{"prompt", "answer"}`` (``fp8rl.tasks.load_jsonl``)."""
+class TaskFields(_Strict):
+    """Column names of a record's prompt, answer and chat messages (GSM8K: ``prompt: question``)."""
 
-    type: Literal["jsonl"]
+    prompt: str = "prompt"
+    answer: str = "answer"
+    messages: str = "messages"
+
+
+class JsonlTaskConfig(_PromptOptions):
+    """Users' own data: JSON Lines (``type: jsonl``) or Parquet (``type: parquet``) files of records
+    ``{"prompt" | "messages", "answer", ...}`` (``fp8rl.tasks.load_examples``)."""
+
+    type: Literal["jsonl", "parquet"]
     train: str
     test: str
+    fields: TaskFields = TaskFields()
+
+
+class ExactMatchRewardConfig(_Strict):
+    """1.0 when the answer extracted from the response equals the reference (``fp8rl.tasks.rewards``)."""
+
+    type: Literal["exact-match"] = "exact-match"
+    extract: Literal["strict", "last-number", "boxed", "gsm8k"] = "strict"
+
+
+class PythonRewardConfig(_Strict):
+    """``name(response, answer, example) -> float`` from ``function: "path/to/file.py:name"``."""
+
+    type: Literal["python"]
+    function: str = Field(pattern=r"^.+\.py:[A-Za-z_][A-Za-z0-9_]*$")
+    timeout_s: float = Field(10.0, gt=0)
+    workers: int = Field(4, ge=1)
+
+
+RewardConfig = Annotated[ExactMatchRewardConfig | PythonRewardConfig, Field(discriminator="type")]
 
 
 TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig, Field(discriminator="type")]
@@ -227,6 +263,7 @@ class RunConfig(_Strict):
     model: str | None = None  # None: the tiny model, warmed up by SFT
     preset: str = "tiny"
     task: TaskConfig = ArithmeticTaskConfig()
+    reward: RewardConfig = ExactMatchRewardConfig()
     steps: int = Field(60, ge=1)
     seed: int = 0
     grpo: GRPOConfig = GRPOConfig()

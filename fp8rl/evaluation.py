@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 from fp8rl.rollout.base import Rollout, RolloutGenerator, SamplingParams
-from fp8rl.tasks import Example, exact_match_reward
+from fp8rl.tasks import Example
+from fp8rl.tasks.prompts import PromptFormat
+from fp8rl.tasks.rewards import ExactMatch, Reward
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
@@ -27,23 +29,25 @@ def evaluate(
     temperature: float = 0.0,
     samples: int = 1,
     seed: int = 0,
+    prompt_format: PromptFormat | None = None,
+    reward: Reward | None = None,
 ) -> dict[str, float]:
-    """Exact-match accuracy on ``examples``: greedy by default, or the mean over ``samples`` sampled
+    """Accuracy (mean ``reward``, exact match by default) on ``examples``: greedy by default, or the mean over ``samples`` sampled
     responses per example at ``temperature`` (avg@k, as DAPO reports AIME), seeded.
 
     Returns ``accuracy``, ``response_tokens`` (mean per response) and ``truncated`` (fraction).
     """
     if samples < 1 or (temperature == 0.0 and samples != 1):
         raise ValueError(f"samples must be >= 1, and 1 for greedy decoding; got {samples} at T={temperature}")
+    fmt, scorer = prompt_format or PromptFormat(), reward or ExactMatch()
     items = [e for e in examples for _ in range(samples)]
     correct, tokens, truncated = 0.0, 0.0, 0.0
     for s in range(0, len(items), batch_size):
         chunk = items[s : s + batch_size]
-        prompts = [tokenizer(e.prompt).input_ids for e in chunk]
+        prompts = fmt.encode_all(tokenizer, chunk)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + s)
         rollout = engine.generate(prompts, params)
-        for text, ex in zip(decode_responses(tokenizer, rollout), chunk, strict=True):
-            correct += exact_match_reward(text, ex.answer)
+        correct += sum(scorer.score(decode_responses(tokenizer, rollout), chunk).rewards)
         tokens += float(rollout.response_mask.sum())
         truncated += float((~rollout.finished).sum())
     n = max(len(items), 1)

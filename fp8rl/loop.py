@@ -15,7 +15,9 @@ The Ray driver (issue 4) runs the same steps across actors.
 
 from __future__ import annotations
 
+import functools
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import ConfigError, RunConfig
+from fp8rl.config import ConfigError, JsonlTaskConfig, RunConfig
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
@@ -40,7 +42,9 @@ from fp8rl.run_state import (
     save_loop_state,
 )
 from fp8rl.sync import InProcessWeightSync, SyncStats
-from fp8rl.tasks import ArithmeticTask, Example, exact_match_reward, load_jsonl
+from fp8rl.tasks import ArithmeticTask, Example, load_examples
+from fp8rl.tasks.prompts import PromptFormat
+from fp8rl.tasks.rewards import ExactMatch, PythonReward, Reward, load_reward_function
 from fp8rl.tracking import MetricsSink
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
@@ -213,8 +217,9 @@ def task_examples(cfg: RunConfig, train_size: int = 20_000) -> tuple[list[Exampl
     recipe is evaluated on the same problems.
     """
     t = cfg.task
-    if t.type == "jsonl":
-        train, test = load_jsonl(t.train), load_jsonl(t.test)
+    if isinstance(t, JsonlTaskConfig):
+        fields = t.fields.model_dump()
+        train, test = load_examples(t.train, fields, t.type), load_examples(t.test, fields, t.type)
     else:
         task = ArithmeticTask(max_operand=t.max_operand, operators=t.operators, num_operands=t.num_operands)
         train, test = task.examples("train", train_size), task.examples("test", cfg.eval_examples)
@@ -229,13 +234,37 @@ def task_examples(cfg: RunConfig, train_size: int = 20_000) -> tuple[list[Exampl
     return train, heldout
 
 
+def prompt_format(cfg: RunConfig) -> PromptFormat:
+    """How ``cfg.task``'s examples become prompt token ids (chat template, system prompt)."""
+    return PromptFormat(cfg.task.chat_template, cfg.task.system_prompt)
+
+
+@functools.lru_cache(maxsize=8)
+def _reward(reward_cfg: Any) -> Reward:
+    if reward_cfg.type == "python":
+        fn = load_reward_function(reward_cfg.function)
+        return PythonReward(fn, reward_cfg.function, reward_cfg.timeout_s, reward_cfg.workers)
+    return ExactMatch(reward_cfg.extract)
+
+
+def reward_for(cfg: RunConfig) -> Reward:
+    """``cfg.reward`` built once per process (a Python reward's file is imported once); errors name the file."""
+    return _reward(cfg.reward)
+
+
+def validate_inputs(cfg: RunConfig) -> None:
+    """Read the task files and load the reward before any model work: bad data fails in seconds, not after SFT."""
+    task_examples(cfg)
+    reward_for(cfg)
+
+
 def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) -> dict[str, float]:
     """One RL step (module docstring, 1-5); returns its metrics."""
     tok, engine, trainer = parts.tok, parts.engine, parts.trainer
     g, temperature = cfg.grpo.group_size, cfg.sampling.temperature
     t0 = time.perf_counter()
-    prompts = [tok(e.prompt).input_ids for e in examples for _ in range(g)]
-    answers = [e.answer for e in examples for _ in range(g)]
+    items = [e for e in examples for _ in range(g)]
+    prompts = prompt_format(cfg).encode_all(tok, items)
     sampling = SamplingParams(
         temperature=temperature,
         top_p=cfg.sampling.top_p,
@@ -246,7 +275,10 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     rollout = engine.generate(prompts, sampling)
     t1 = time.perf_counter()
     texts = decode_responses(tok, rollout)
-    rewards = torch.tensor([exact_match_reward(t, a) for t, a in zip(texts, answers, strict=True)])
+    scored = reward_for(cfg).score(texts, items)
+    if scored.first_error:
+        print(f"[{cfg.recipe.name}] step {step}: reward {scored.first_error}", file=sys.stderr)
+    rewards = torch.tensor(scored.rewards)
     adv = grpo_advantages(rewards, g, std_normalize=cfg.grpo.std_normalize, leave_one_out=cfg.grpo.leave_one_out)
     batch = build_batch(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, engine.pad_token_id)
     old_lp = trainer.compute_logprobs(batch, temperature)
@@ -262,6 +294,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     tokens = float(mask.sum())
     return {
         "reward": float(rewards.mean()),
+        **scored.metrics(),
         "accuracy": float((rewards > 0).float().mean()),
         "response_length": tokens / len(prompts),
         **{f"mismatch/{k}": v for k, v in mm.items()},
@@ -285,9 +318,9 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
 KV_CALIBRATION_PROMPTS = 64
 
 
-def prompt_batch(parts: Parts, examples: list[Example]) -> SequenceBatch:
+def prompt_batch(cfg: RunConfig, parts: Parts, examples: list[Example]) -> SequenceBatch:
     """The examples' prompts alone as a trainer batch (no response tokens)."""
-    prompts = [parts.tok(e.prompt).input_ids for e in examples]
+    prompts = prompt_format(cfg).encode_all(parts.tok, examples)
     empty = torch.zeros((len(prompts), 0), dtype=torch.long)
     return build_batch(prompts, empty, empty.float(), parts.engine.pad_token_id)
 
@@ -299,11 +332,12 @@ def evaluate_policy(
     and ``sampled_accuracy`` (avg@``cfg.eval_samples`` at the rollout temperature, fixed seed) unless
     ``cfg.eval_samples`` is 0."""
     max_tokens = cfg.sampling.max_tokens
-    out = evaluate(engine, tok, heldout, max_tokens)
+    fmt, reward = prompt_format(cfg), reward_for(cfg)
+    out = evaluate(engine, tok, heldout, max_tokens, prompt_format=fmt, reward=reward)
     if cfg.eval_samples:
         sampled = evaluate(
             engine, tok, heldout, max_tokens, temperature=cfg.sampling.temperature, samples=cfg.eval_samples,
-            seed=cfg.seed,
+            seed=cfg.seed, prompt_format=fmt, reward=reward,
         )  # fmt: skip
         out["sampled_accuracy"] = sampled["accuracy"]
     return out
@@ -347,7 +381,7 @@ def run_rl(
     train_pool, heldout = task_examples(cfg)
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None and cfg.checkpoint_every else None
     out = MetricsBuffer(sink, buffered=ckpt is not None)
-    kv_batch = prompt_batch(parts, train_pool[:KV_CALIBRATION_PROMPTS])
+    kv_batch = prompt_batch(cfg, parts, train_pool[:KV_CALIBRATION_PROMPTS])
     parts.calibrate_kv(kv_batch)  # FP8 KV cache: scales before the step-0 evaluation
     result, first = _start_or_resume(cfg, parts, heldout, rng, out, ckpt, log)
     if first > 1:

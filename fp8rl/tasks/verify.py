@@ -32,7 +32,9 @@ whitespace and must match exactly.  ``normalize_answer`` is idempotent.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 GSM8K_MARKER = "####"
 BOXED_MARKER = "\\boxed{"
@@ -49,10 +51,17 @@ _NUMBER = re.compile(
 
 @dataclass(frozen=True)
 class Example:
-    """One verifiable problem: the ``prompt`` the model continues, and the normalised reference ``answer``."""
+    """One verifiable problem: the ``prompt`` the model continues, and the normalised reference ``answer``.
+
+    ``messages`` (``((role, content), ...)``), when given, is the conversation a chat template renders
+    instead of ``prompt`` (``prompt`` then holds its last user turn); ``extra`` holds the record's other
+    fields, passed to a user's reward function.
+    """
 
     prompt: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 def _canonical_number(text: str) -> str | None:
