@@ -147,9 +147,8 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from fp8rl.experiment import compare_recipes, tracked_run
-    from fp8rl.tracking import configure_mlflow
-
     from fp8rl.loop import validate_inputs
+    from fp8rl.tracking import configure_mlflow
 
     cfgs = _run_configs(args)
     for c in cfgs:  # task files and the reward are checked before any model work (SFT warm-up takes minutes)
