@@ -194,3 +194,58 @@ def test_a_killed_driver_resumes_into_the_same_mlflow_run(tmp_path: Path, warm_m
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "reward"))
     assert steps == [1, 2, 3, 4]  # none lost, none repeated
     assert runs[0].info.status == "FINISHED"
+
+
+def test_loop_with_users_data_chat_messages_and_a_python_reward(tmp_path: Path, warm_model: Path) -> None:
+    """A JSONL task (GSM8K-style answers, extra fields) and a user's Python reward, through the loop."""
+    import json
+
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": f"#### {a + b}", "level": a % 3} for a in range(1, 10) for b in range(1, 9)
+    ]
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows[8:]))
+    test.write_text("\n".join(json.dumps(r) for r in rows[1:8]))
+    calls = tmp_path / "calls.txt"
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "from fp8rl.tasks.rewards import extract_last_number\n"
+        f"def score(response, answer, example):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        f"        f.write(str(example.get('level', '-')) + '\\n')\n"
+        f"    return 1.0 if extract_last_number(response) == answer else 0.0\n"
+    )
+    cfg = RunConfig.model_validate(
+        {
+            "recipe": load_recipe("fp8-e2e").model_dump(),
+            "steps": 2,
+            "eval_every": 2,
+            "eval_examples": 7,
+            "eval_samples": 0,
+            "task": {"type": "jsonl", "train": str(train), "test": str(test), "chat_template": "auto"},
+            "reward": {"type": "python", "function": f"{reward}:score"},
+        }
+    )
+    result = run_rl(cfg, warm_model, MemorySink(), log=lambda _s: None)
+    last = result.history[-1]
+    assert last["reward/errors"] == 0.0 and last["reward/timeouts"] == 0.0
+    assert 0.0 <= last["reward"] <= 1.0 and "eval/accuracy" in last
+    seen = calls.read_text().split()
+    # every rollout and every held-out response was scored by the user's function, with the record's extra fields
+    n_rollouts = 2 * cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    assert len(seen) >= n_rollouts + 7 and set(seen) <= {"0", "1", "2", "-"}
+
+
+def test_cli_train_checks_task_files_before_model_work(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3, "answer": "4"}\n')
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"task: {{type: jsonl, train: {bad}, test: {bad}}}\nwork_dir: {tmp_path / 'work'}\n")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8rl", "train", "--config", str(cfg), "--recipe", "bf16"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"{bad}:2: 'prompt' must be a string" in proc.stderr
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "work" / "models").exists()  # no SFT warm-up ran
