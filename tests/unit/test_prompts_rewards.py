@@ -199,3 +199,16 @@ def test_run_config_takes_task_formats_and_rewards(tmp_path: Path) -> None:
         parse_run_config({"recipe": BF16, "reward": {"type": "python", "function": "rewards.py"}})
     with pytest.raises(ConfigError, match="chat_template"):
         parse_run_config({"recipe": BF16, "task": {"type": "arithmetic", "chat_template": "sometimes"}})
+
+
+def test_documented_example_config_and_reward_work() -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    data = yaml.safe_load((root / "docs/configs/custom-task.yaml").read_text())
+    cfg = parse_run_config({**data, "recipe": BF16}, "docs/configs/custom-task.yaml")
+    assert cfg.task.fields.prompt == "question" and cfg.reward.type == "python"  # type: ignore[union-attr]
+    fn = load_reward_function(str(root / cfg.reward.function))  # type: ignore[union-attr]
+    reward = PythonReward(fn, "score")
+    got = reward.score(["It is 72.", "73"], [Example("q", "72", extra={"weight": 2.0}), Example("q", "72")])
+    assert got.rewards == pytest.approx([2.2, 0.0]) and got.errors == 0
