@@ -33,6 +33,7 @@ class FP8InferenceLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._block = q.block
         self._scale_cublas: torch.Tensor | None = None
+        self._scale_key: tuple[int, int] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> FP8InferenceLinear:
@@ -57,16 +58,17 @@ class FP8InferenceLinear(nn.Module):
             )
         self.weight.copy_(q.data)
         self.weight_scale_inv.copy_(q.scale_inv)
-        self._scale_cublas = None
 
     def _fused_weight_scale(self) -> torch.Tensor | None:
-        """The weight's tile scales in cuBLAS's layout when the fused path applies (made once per load)."""
+        """The weight's tile scales in cuBLAS's layout when the fused path applies, re-made whenever
+        ``weight_scale_inv`` was written (its version counter: ``load_`` or any other in-place writer)."""
         if not block_linear_supported(self.in_features, self.out_features, self.spec, self.weight.device):
             return None
-        s = self._scale_cublas
-        if s is None or s.device != self.weight.device:
-            s = self._scale_cublas = tile_scales_for_cublas(self.weight_scale_inv)
-        return s
+        key = (self.weight_scale_inv.data_ptr(), self.weight_scale_inv._version)
+        if self._scale_cublas is None or self._scale_key != key:
+            self._scale_cublas = tile_scales_for_cublas(self.weight_scale_inv)
+            self._scale_key = key
+        return self._scale_cublas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
