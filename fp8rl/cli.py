@@ -218,6 +218,29 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=_cmd_train)
 
 
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
+    from fp8rl.diagnose import diagnose, write_report
+    from fp8rl.loop import prompt_format, quant_spec, task_examples
+
+    data = load_run_config_data(args.config) if args.config else {}
+    data["recipe"] = load_recipe(args.recipe).model_dump()
+    cfg = parse_run_config(data, args.config or "diagnose")
+    if cfg.recipe.rollout_precision != "fp8":
+        raise UserError(f"--recipe {args.recipe}: its rollout is BF16, there is no FP8 disagreement to diagnose")
+    if not args.target >= 1.0:
+        raise UserError(f"--target must be >= 1.0 (token_mult_prob_error), got {args.target}")
+    train, _ = task_examples(cfg)
+    diag = diagnose(
+        args.model, quant_spec(cfg), train[: args.examples], prompt_format(cfg), args.target,
+        args.max_tokens or cfg.sampling.max_tokens, args.max_candidates, args.device, cfg.seed,
+    )  # fmt: skip
+    out = write_report(diag, args.out)
+    print(diag.to_markdown())
+    print(f"wrote {out / 'diagnosis.md'}, {out / 'diagnosis.json'}, {out / 'per_layer.png'}")
+    return 0
+
+
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     from fp8rl.bench.kernels import main_with_args
 
@@ -258,6 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sft)
 
     _add_train_parser(sub)
+
+    p = sub.add_parser(
+        "diagnose", help="attribute a recipe's FP8 disagreement to decoder layers; recommend BF16 layers"
+    )
+    p.add_argument("model", help="an HF checkpoint directory (bf16)")
+    p.add_argument("--recipe", default="fp8-rollout", help="bf16 | fp8-rollout | fp8-e2e | recipe.yaml (its scaling)")
+    p.add_argument("--config", default=None, help="a run config YAML: the task and prompt format to sample from")
+    p.add_argument("--target", type=float, default=1.02, help="token_mult_prob_error to stay under (default 1.02)")
+    p.add_argument("--examples", type=int, default=64, help="prompts sampled from the task (default 64)")
+    p.add_argument("--max-tokens", type=int, default=None, help="response length (default: the config's)")
+    p.add_argument("--max-candidates", type=int, default=64, help="BF16-layer settings to evaluate at most")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="diagnosis", help="output directory (default ./diagnosis)")
+    p.set_defaults(func=_cmd_diagnose)
 
     bench = sub.add_parser("bench", help="benchmarks (GPU)").add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("kernels", help="FP8 quantization kernels, block GEMMs and the FP8 linear vs BF16 (CUDA)")
