@@ -220,22 +220,19 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
-    from fp8rl.diagnose import diagnose, write_report
-    from fp8rl.loop import prompt_format, quant_spec, task_examples
+    from fp8rl.diagnose import diagnose_run
 
+    if args.target < 1.0:
+        raise UserError(f"--target must be >= 1.0 (token_mult_prob_error), got {args.target}")
     data = load_run_config_data(args.config) if args.config else {}
     data["recipe"] = load_recipe(args.recipe).model_dump()
     cfg = parse_run_config(data, args.config or "diagnose")
     if cfg.recipe.rollout_precision != "fp8":
         raise UserError(f"--recipe {args.recipe}: its rollout is BF16, there is no FP8 disagreement to diagnose")
-    if not args.target >= 1.0:
-        raise UserError(f"--target must be >= 1.0 (token_mult_prob_error), got {args.target}")
-    train, _ = task_examples(cfg)
-    diag = diagnose(
-        args.model, quant_spec(cfg), train[: args.examples], prompt_format(cfg), args.target,
-        args.max_tokens or cfg.sampling.max_tokens, args.max_candidates, args.device, cfg.seed,
-    )  # fmt: skip
-    out = write_report(diag, args.out)
+    diag = diagnose_run(
+        cfg, args.model, args.out, args.target, args.examples, args.max_tokens, args.max_candidates, args.device
+    )
+    out = Path(args.out)
     print(diag.to_markdown())
     print(f"wrote {out / 'diagnosis.md'}, {out / 'diagnosis.json'}, {out / 'per_layer.png'}")
     return 0

@@ -327,3 +327,22 @@ def test_rayjob_names_are_valid_and_distinct() -> None:
     assert len(names) == 8
     for name in names:
         assert len(name) <= 47 and name[0].isalpha() and all(c.islower() or c.isdigit() or c == "-" for c in name)
+
+
+def test_diagnose_component_writes_report_and_recommendation(tmp_path: Path) -> None:
+    from components.diagnose import diagnose_mismatch
+
+    model = art(Model, tmp_path, "model")
+    prepare_model.python_func(source="small", seed=0, model=model)
+    report, diagnosis = art(Markdown, tmp_path, "report"), art(Artifact, tmp_path, "diagnosis")
+    diagnose_mismatch.python_func(
+        model=model, recipe="fp8-rollout", run_config={"sampling": {"max_tokens": 6}}, report=report,
+        diagnosis=diagnosis, target=1.5, examples=8, device="cpu",
+    )  # fmt: skip
+    assert "# FP8 mismatch diagnosis" in Path(report.path).read_text()
+    assert (Path(diagnosis.path) / "diagnosis.json").is_file() and (Path(diagnosis.path) / "per_layer.png").is_file()
+    assert diagnosis.metadata["bf16_first_layers"] == 0 and diagnosis.metadata["tmpe_all_fp8"] > 1.0
+    with pytest.raises(UserError, match="rollout is BF16"):
+        diagnose_mismatch.python_func(
+            model=model, recipe="bf16", run_config={}, report=report, diagnosis=diagnosis, device="cpu"
+        )
