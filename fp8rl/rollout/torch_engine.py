@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
+from fp8rl.models.special_tokens import model_special_tokens, special_tokens
 from fp8rl.quant import QuantizedTensor, QuantSpec
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.fp8_linear import FP8InferenceLinear
@@ -63,9 +64,13 @@ class TorchRolloutEngine:
         if precision == "fp8":
             self.fp8_modules = fp8_module_names(self.model, bf16_first_layers, bf16_last_layers)
             swap_modules(self.model, self.fp8_modules, lambda _n, old: FP8InferenceLinear.from_linear(old, self.spec))  # type: ignore[arg-type]
-        cfg = self.model.config
-        self.eos_token_id = int(eos_token_id if eos_token_id is not None else cfg.eos_token_id)
-        self.pad_token_id = int(pad_token_id if pad_token_id is not None else (cfg.pad_token_id or 0))
+        # stop and pad ids from the config, generation config and tokenizer (fp8rl.models.special_tokens)
+        if eos_token_id is None or pad_token_id is None:
+            tokens = model_special_tokens(self.model) if isinstance(model, PreTrainedModel) else special_tokens(model)
+            stop, pad = list(tokens.stop_ids), tokens.pad_id
+        self.stop_token_ids = [int(eos_token_id)] if eos_token_id is not None else stop
+        self.eos_token_id = self.stop_token_ids[0]
+        self.pad_token_id = int(pad_token_id if pad_token_id is not None else pad)
         self.policy_version = 0
         self.asleep = False
 
@@ -147,13 +152,14 @@ class TorchRolloutEngine:
 
         tokens, lps, alive = [], [], []
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
+        stop = torch.tensor(self.stop_token_ids, device=self.device)
         for _ in range(sampling.max_tokens):
             token, lp = self._sample(logits.float(), sampling, gen)
             alive.append(~finished)
             token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
             tokens.append(token)
             lps.append(torch.where(finished, torch.zeros_like(lp), lp))
-            finished = finished | (token == self.eos_token_id)
+            finished = finished | torch.isin(token, stop)
             if bool(finished.all()):
                 break
             attn = torch.cat([attn, torch.ones((n, 1), dtype=attn.dtype, device=self.device)], dim=1)
