@@ -8,8 +8,10 @@ Partial tiles (``partial_tiles``).  The consumers of a block-FP8 checkpoint -- t
 FP8 loader and vLLM -- need every quantized weight to be whole ``weight_block`` tiles
 (transformers: "Weight shape (192, 576) not divisible by scale grid"; vLLM: each part of a
 fused qkv / gate_up).  By default (``"keep"``) a decoder linear whose shape is not a multiple
-of the block in both dimensions keeps its source dtype, is named in the config's
-``modules_to_not_convert`` and is listed, with the reason, in the conversion report.
+of the block in both dimensions keeps its source dtype, and so do the other parts of the module
+vLLM fuses it into (q/k/v, gate/up: vLLM refuses a fused module with some parts quantized); each
+is named in the config's ``modules_to_not_convert`` and listed, with the reason, in the
+conversion report.  The decision is made from the shard headers, before any tensor is read.
 ``"quantize"`` quantizes it anyway with ceil-div tiles (fp8rl's own engines read that; the
 consumers above do not).  One input shard is held in memory at a time, so peak memory follows the
 largest shard, not the model.  The destination is written to a temporary
@@ -84,10 +86,13 @@ class ConvertOptions:
 class _Progress:
     bar: Any
     tensors: list[TensorReport] = field(default_factory=list)
-    partial: list[dict[str, Any]] = field(default_factory=list)
 
 
 PARTIAL_TILES = ("keep", "quantize")
+
+
+# the HF modules vLLM fuses into one parameter (``qkv_proj``, ``gate_up_proj``): quantized together or not at all
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 
 def partial_tile_reason(shape: tuple[int, ...], opts: ConvertOptions) -> str | None:
@@ -101,6 +106,38 @@ def partial_tile_reason(shape: tuple[int, ...], opts: ConvertOptions) -> str | N
         f"{shape[0]}x{shape[1]} is not whole {br}x{bc} tiles; transformers' and vLLM's block-FP8 loaders "
         f"refuse partial tiles, so it stays in its source dtype"
     )
+
+
+def partial_tile_modules(
+    shapes: dict[str, list[int]], opts: ConvertOptions, kept: set[int] | None = None
+) -> dict[str, dict[str, Any]]:
+    """``{module: {"module", "shape", "reason"}}``: the decoder linears outside the ``kept`` layers that stay in
+    their source dtype under ``partial_tiles="keep"`` (module docstring), from tensor name -> shape."""
+    shape_of = {
+        m["module"]: [int(d) for d in shape]
+        for name, shape in shapes.items()
+        if (m := DECODER_LINEAR.match(name)) and int(m["layer"]) not in (kept or set())
+    }
+    out = {
+        module: {"module": module, "shape": shape, "reason": reason}
+        for module, shape in shape_of.items()
+        if (reason := partial_tile_reason(tuple(shape), opts)) is not None
+    }
+    for module in list(out):  # the other parts of the module vLLM fuses it into stay with it
+        prefix, _, suffix = module.rpartition(".")
+        prefix, _, kind = prefix.rpartition(".")
+        group = next((g for g in FUSED_GROUPS if f"{kind}.{suffix}" in g), ())
+        rows, cols = shape_of[module]
+        for part in group:
+            sibling = f"{prefix}.{part}"
+            if sibling in shape_of and sibling not in out:
+                out[sibling] = {
+                    "module": sibling,
+                    "shape": shape_of[sibling],
+                    "reason": f"vLLM fuses it with {suffix} ({rows}x{cols}, not whole tiles) and a fused module "
+                    "has one dtype, so it stays in its source dtype too",
+                }
+    return dict(sorted(out.items()))
 
 
 def _validate_source(src: Path) -> dict[str, Any]:
@@ -157,7 +194,13 @@ def _check_tensor(t: torch.Tensor, name: str, file: Path) -> None:
 
 
 def _convert_shard(
-    src_file: Path, dst_file: Path, opts: ConvertOptions, spec: QuantSpec, kept: set[int], progress: _Progress
+    src_file: Path,
+    dst_file: Path,
+    opts: ConvertOptions,
+    spec: QuantSpec,
+    kept: set[int],
+    partial: dict[str, dict[str, Any]],
+    progress: _Progress,
 ) -> dict[str, str]:
     """Convert one shard; returns the output weight map entries (tensor -> file name)."""
     out: dict[str, torch.Tensor] = {}
@@ -169,10 +212,7 @@ def _convert_shard(
                 raise CheckpointError(f"{src_file}: tensor {name} cannot be read ({e})") from None
             _check_tensor(t, name, src_file)
             match = DECODER_LINEAR.match(name)
-            reason = partial_tile_reason(tuple(t.shape), opts) if match is not None else None
-            if match is None or int(match["layer"]) in kept or t.dim() != 2 or reason is not None:
-                if match is not None and reason is not None and int(match["layer"]) not in kept:
-                    progress.partial.append({"module": match["module"], "shape": list(t.shape), "reason": reason})
+            if match is None or int(match["layer"]) in kept or t.dim() != 2 or match["module"] in partial:
                 out[name] = t
                 progress.bar.update(1)
                 continue
@@ -231,6 +271,7 @@ def convert_checkpoint(
     kept = opts.kept_layers(num_layers)
     headers = read_headers(src_path, layout.files)  # every input is checked before anything is written
     check_config_matches_weights(cfg, headers, src_path)
+    partial = partial_tile_modules({name: shape for name, (_, shape) in headers.items()}, opts, kept)
     n_tensors = len(headers)
 
     with atomic_directory(dst_path, overwrite=overwrite) as tmp:
@@ -238,17 +279,16 @@ def convert_checkpoint(
         progress = _Progress(bar)
         weight_map: dict[str, str] = {}
         for file in layout.files:
-            weight_map.update(_convert_shard(src_path / file, tmp / file, opts, spec, kept, progress))
+            weight_map.update(_convert_shard(src_path / file, tmp / file, opts, spec, kept, partial, progress))
             if on_shard is not None:
                 on_shard(file)
         bar.close()
         if layout.sharded:
             write_index(tmp, layout.files, weight_map)
-        partial_modules = sorted(m["module"] for m in progress.partial)
         cfg_out = {
             **cfg,
             "quantization_config": quantization_config(
-                opts.granularity, opts.weight_block, not_converted_modules(kept) + partial_modules, opts.fmt
+                opts.granularity, opts.weight_block, not_converted_modules(kept) + list(partial), opts.fmt
             ),
         }
         (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
@@ -258,7 +298,7 @@ def convert_checkpoint(
             options=dataclasses.asdict(opts),
             tensors=progress.tensors,
             kept_layers=sorted(kept),
-            kept_partial_tiles=sorted(progress.partial, key=lambda m: m["module"]),
+            kept_partial_tiles=list(partial.values()),
         )
         report.bytes_before = sum((src_path / f).stat().st_size for f in layout.files)
         report.bytes_after = sum((tmp / f).stat().st_size for f in layout.files)

@@ -22,6 +22,7 @@ This module imports without vLLM; vLLM is imported when an engine starts.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch import nn
 from fp8rl.config import Recipe, RolloutConfig, RunConfig
 from fp8rl.errors import UserError
 from fp8rl.models.loading import read_model_config
+from fp8rl.models.special_tokens import special_tokens
 from fp8rl.quant import QuantizedTensor, quantize_weight
 from fp8rl.rollout import vllm_patches
 from fp8rl.rollout.base import Rollout, SamplingParams
@@ -39,6 +41,7 @@ from fp8rl.rollout.vllm_weights import (
     Weights,
     fp8_module_names_from_config,
     fused_layout,
+    partial_tile_note,
     reload_items,
     serving_checkpoint,
     unfuse_params,
@@ -125,12 +128,14 @@ class VLLMRolloutEngine:
         self.checkpoint = serving_checkpoint(model_dir, recipe, work_dir)
         self.model_config = read_model_config(self.checkpoint)
         self.fp8_modules = fp8_module_names_from_config(self.model_config, recipe)
+        self.partial_tile_note = partial_tile_note(self.checkpoint, self.fp8_modules, recipe)
+        if self.partial_tile_note:
+            print(f"[{recipe.name}] {self.partial_tile_note}", file=sys.stderr, flush=True)
         self._fp8 = {m + ".weight" for m in self.fp8_modules}
         self.layout = fused_layout(self.model_config)
-        eos = self.model_config["eos_token_id"]
-        self.stop_token_ids = [int(t) for t in eos] if isinstance(eos, list) else [int(eos)]
-        self.eos_token_id = self.stop_token_ids[0]
-        self.pad_token_id = int(self.model_config.get("pad_token_id") or 0)
+        tokens = special_tokens(self.checkpoint)  # config, generation config and tokenizer agree on the stops
+        self.stop_token_ids = list(tokens.stop_ids)
+        self.eos_token_id, self.pad_token_id = tokens.eos_id, tokens.pad_id
         self.policy_version = 0
         self.asleep = False
         self.sleep_mode = sleep_mode

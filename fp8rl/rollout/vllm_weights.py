@@ -5,7 +5,12 @@ and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)]: DeepSeek style,
 ``fp8rl.quant``'s ``block`` granularity).  ``serving_checkpoint`` takes an fp8rl FP8
 checkpoint as it is (after checking it was made with the recipe's options) or converts a
 BF16 one with ``fp8rl.checkpoint.convert_checkpoint`` into the work dir, once per source
-and recipe; the ``bf16`` recipe serves the BF16 checkpoint.
+and recipe; the ``bf16`` recipe serves the BF16 checkpoint.  vLLM's block-FP8 loader needs
+whole 128x128 tiles in every part of a fused module, so the consumer policy of the converter
+applies (``partial_tiles="keep"``): a linear that is not whole tiles, and the modules vLLM
+fuses it with, stay in BF16 as ``ignored_layers``.  ``fp8_module_names_from_config`` reads
+them back from the checkpoint, so the engine holds, and the sync sends, exactly those in BF16;
+``partial_tile_note`` is the line the engine prints about them.
 
 Names.  vLLM fuses q/k/v into ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``
 (rows stacked in that order, dim 0) and pads the vocabulary rows of the embedding and
@@ -71,30 +76,41 @@ def model_dims(model_config: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-def check_block_shapes(model_config: Mapping[str, Any], source: str) -> None:
-    """vLLM's block-FP8 loader needs every fused part and every input width to hold whole 128-wide tiles."""
-    d = model_dims(model_config)
-    bad = {k: d[k] for k in ("q", "kv", "inter", "hidden") if d[k] % FP8_BLOCK[0]}
-    if bad:
-        raise UserError(
-            f"{source}: vLLM serves block FP8 only when q/k/v/gate/up rows and input widths are multiples of "
-            f"128; this model has {bad} (use rollout.engine 'torch' for it)"
-        )
-
-
 def fp8_module_names_from_config(model_config: Mapping[str, Any], recipe: Recipe) -> list[str]:
-    """HF names of the decoder linears the engine holds in FP8 (none for a bf16 rollout)."""
+    """HF names of the decoder linears the engine holds in FP8: none for a bf16 rollout; for a BF16 config the
+    recipe's layers, for a quantized one (a serving checkpoint) those not in its ``ignored_layers``."""
     if recipe.rollout_precision != "fp8":
         return []
     n = int(model_config["num_hidden_layers"])
     kept = kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
-    return [f"model.layers.{i}.{s}" for i in range(n) if i not in kept for s in DECODER_LINEAR_SUFFIXES]
+    ignored = set(_ignored_layers(model_config.get("quantization_config") or {}))
+    names = [f"model.layers.{i}.{s}" for i in range(n) if i not in kept for s in DECODER_LINEAR_SUFFIXES]
+    return [m for m in names if m not in ignored]
 
 
-def expected_ignored_layers(model_config: Mapping[str, Any], recipe: Recipe) -> set[str]:
-    """The modules an FP8 checkpoint for ``recipe`` keeps in BF16 (``fp8rl convert``'s list)."""
+def _ignored_layers(qcfg: Mapping[str, Any]) -> list[str]:
+    return list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
+
+
+def partial_tile_modules_of(model_dir: Path, recipe: Recipe) -> dict[str, dict[str, Any]]:
+    """The converter's partial-tile policy applied to the checkpoint at ``model_dir`` (its headers only)."""
+    from fp8rl.checkpoint.convert import ConvertOptions, partial_tile_modules, read_headers
+    from fp8rl.checkpoint.shards import shard_layout
+
+    cfg = read_model_config(model_dir)
+    headers = read_headers(model_dir, shard_layout(model_dir).files)
+    kept = kept_layers(int(cfg["num_hidden_layers"]), recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
+    block = (int(recipe.quant.weight_block[0]), int(recipe.quant.weight_block[1]))
+    opts = ConvertOptions("block", weight_block=block)
+    return partial_tile_modules({name: shape for name, (_, shape) in headers.items()}, opts, kept)
+
+
+def expected_ignored_layers(model_dir: Path, model_config: Mapping[str, Any], recipe: Recipe) -> set[str]:
+    """The modules an FP8 checkpoint for ``recipe`` keeps in BF16 (``fp8rl convert``'s list): the recipe's BF16
+    layers and the linears that are not whole tiles (with their fused partners)."""
     n = int(model_config["num_hidden_layers"])
-    return set(not_converted_modules(kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)))
+    kept = kept_layers(n, recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
+    return set(not_converted_modules(kept)) | set(partial_tile_modules_of(model_dir, recipe))
 
 
 def check_fp8_checkpoint(model_dir: Path, model_config: Mapping[str, Any], recipe: Recipe) -> None:
@@ -109,15 +125,32 @@ def check_fp8_checkpoint(model_dir: Path, model_config: Mapping[str, Any], recip
             f"{model_dir}: checkpoint is FP8 {granularity} {list(block)}, but recipe {recipe.name!r} asks for "
             f"recipe.quant.granularity 'block' {list(recipe.quant.weight_block)}; pass the BF16 checkpoint instead"
         )
-    ignored = set(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
-    expected = expected_ignored_layers(model_config, recipe)
+    ignored = set(_ignored_layers(qcfg))
+    expected = expected_ignored_layers(model_dir, model_config, recipe)
     if ignored != expected:
         q = recipe.quant
         raise UserError(
             f"{model_dir}: the checkpoint keeps {sorted(ignored - {'lm_head'})} in BF16, but "
             f"recipe.quant.bf16_first_layers {q.bf16_first_layers} / bf16_last_layers {q.bf16_last_layers} "
-            f"ask for {sorted(expected - {'lm_head'})}; convert the BF16 checkpoint with the recipe's options"
+            f"(and the modules that are not whole tiles) ask for {sorted(expected - {'lm_head'})}; convert the "
+            "BF16 checkpoint with the recipe's options"
         )
+
+
+def partial_tile_note(checkpoint: Path, fp8_modules: list[str], recipe: Recipe) -> str | None:
+    """What the engine says when the consumer policy kept linears of an FP8 recipe in BF16 (None if none)."""
+    if recipe.rollout_precision != "fp8":
+        return None
+    report = checkpoint / "fp8rl_conversion_report.json"
+    partial = partial_tile_modules_of(checkpoint, recipe)
+    if not partial:
+        return None
+    where = f" (reasons in {report})" if report.is_file() else ""
+    return (
+        f"vLLM serves {len(partial)} decoder linears in BF16 because they (or a module vLLM fuses them with) are "
+        f"not whole {recipe.quant.weight_block[0]}x{recipe.quant.weight_block[1]} tiles{where}; "
+        f"{len(fp8_modules)} are FP8. The sync sends those {len(partial)} in BF16."
+    )
 
 
 def conversion_key(model_dir: Path, recipe: Recipe) -> str:
@@ -142,7 +175,6 @@ def serving_checkpoint(model_dir: str | os.PathLike[str], recipe: Recipe, work_d
             )
         return src
     check_recipe_supported(recipe)
-    check_block_shapes(cfg, str(src))
     if quantized:
         check_fp8_checkpoint(src, cfg, recipe)
         return src

@@ -168,9 +168,57 @@ def test_unsupported_recipes_and_shapes_are_user_errors(tiny_models: dict[str, P
         vw.serving_checkpoint(tiny_models["tiny"], _recipe("fp8-rollout", granularity="row"), tmp_path)
     with pytest.raises(UserError, match=r"recipe.quant.weight_block is \[64, 64\]"):
         vw.serving_checkpoint(tiny_models["tiny"], _recipe("fp8-rollout", weight_block=(64, 64)), tmp_path)
-    with pytest.raises(UserError, match="multiples of 128"):
-        vw.serving_checkpoint(tiny_models["tiny-odd"], load_recipe("fp8-rollout"), tmp_path)
     assert not (tmp_path / "vllm-checkpoints").exists()
+
+
+def test_partial_tiles_are_served_in_bf16_and_said(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """tiny-odd: no linear is whole 128x128 tiles, so vLLM's checkpoint keeps all of them in BF16 and the engine
+    holds (and the sync sends) none in FP8; the checkpoint given back as is passes the recipe check."""
+    recipe = load_recipe("fp8-rollout")
+    dst = vw.serving_checkpoint(tiny_models["tiny-odd"], recipe, tmp_path)
+    cfg = read_model_config(dst)
+    ignored = set(cfg["quantization_config"]["ignored_layers"])
+    linears = {f"model.layers.{i}.{s}" for i in range(cfg["num_hidden_layers"]) for s in vw.DECODER_LINEAR_SUFFIXES}
+    assert linears <= ignored and vw.fp8_module_names_from_config(cfg, recipe) == []
+    note = vw.partial_tile_note(dst, [], recipe)
+    assert note is not None and f"serves {len(linears)} decoder linears in BF16" in note
+    assert "fp8rl_conversion_report.json" in note
+    assert vw.serving_checkpoint(dst, recipe, tmp_path / "other") == dst
+    assert vw.partial_tile_note(dst, [], load_recipe("bf16")) is None
+
+
+def test_a_partial_kv_projection_keeps_its_fused_qkv_in_bf16(tmp_path: Path) -> None:
+    """k/v of 64 rows (one 64-wide KV head) are partial tiles; q (256x256) is whole but vLLM fuses it with them,
+    so all three stay BF16 while o/gate/up/down are FP8 -- in the converter's report, vLLM's ignored_layers and
+    the modules the engine holds in FP8."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src = tmp_path / "gqa"
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(src)
+    recipe = load_recipe("fp8-rollout")
+    dst = vw.serving_checkpoint(src, recipe, tmp_path / "work")
+    cfg = read_model_config(dst)
+    qkv = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv"}
+    assert set(cfg["quantization_config"]["ignored_layers"]) == {"lm_head"} | qkv
+    report = json.loads((dst / "fp8rl_conversion_report.json").read_text())
+    reasons = {m["module"]: m["reason"] for m in report["kept_partial_tiles"]}
+    assert set(reasons) == qkv
+    assert "64x256 is not whole 128x128 tiles" in reasons["model.layers.0.self_attn.k_proj"]
+    assert "vLLM fuses it with k_proj" in reasons["model.layers.0.self_attn.q_proj"]
+    fp8 = vw.fp8_module_names_from_config(cfg, recipe)
+    assert set(fp8) == {f"model.layers.{i}.{s}" for i in range(2) for s in vw.DECODER_LINEAR_SUFFIXES} - qkv
+    assert vw.partial_tile_note(dst, fp8, recipe) is not None
+    assert vw.serving_checkpoint(dst, recipe, tmp_path / "other") == dst
+    # a checkpoint that quantized the partial tiles is not what vLLM can load: refused with the modules named
+    from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
+
+    forced = tmp_path / "forced"
+    convert_checkpoint(src, forced, ConvertOptions(partial_tiles="quantize"), show_progress=False)
+    with pytest.raises(UserError, match="not whole tiles"):
+        vw.serving_checkpoint(forced, recipe, tmp_path)
 
 
 def test_given_fp8_checkpoints_of_another_layout_are_refused(tiny_models: dict[str, Path], tmp_path: Path) -> None:
