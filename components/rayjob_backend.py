@@ -5,7 +5,9 @@ chart's RayJob template (``pvcName``) mounts the same PVC at ``/data`` in every 
 path under ``cfg.work_dir`` (``/data/fp8rl`` on a cluster) names the same file on both sides.
 
 1. Stage under ``<work_dir>/kfp-runs/<kfp run id>/<recipe>-seed<seed>/``: the input checkpoint
-   (``model/``, copied from the KFP artifact) and the resolved run config (``run-config.yaml``).
+   (``model/``, copied from the KFP artifact), the run's input files (``inputs/``: a JSONL/Parquet
+   task's files and a Python reward's source, ``fp8rl.tasks.bundle``) and the resolved run config
+   (``run-config.yaml``) naming those copies.
 2. Build the RayJob from the chart's template (``fp8rl.cluster.build_rayjob``); its entrypoint is
    ``fp8rl train --config ... --model ... --output-dir .../trained --parent-run-id ... --work-dir ...``.
 3. ``fp8rl.cluster.submit_rayjob`` creates it, streams the driver's log, and raises
@@ -52,12 +54,15 @@ def rayjob_name(recipe: str, seed: int, kfp_run_id: str) -> str:
 
 
 def stage(cfg: RunConfig, model_dir: str | Path, kfp_run_id: str) -> Path:
-    """Copy the checkpoint and write the run config under the shared work directory; returns the stage dir."""
+    """Copy the checkpoint and the run's input files and write the run config under the shared work directory;
+    returns the stage dir."""
     from fp8rl.experiment import resolved_config
+    from fp8rl.tasks.bundle import bundle_inputs
 
     stage_dir = Path(cfg.work_dir) / STAGE_DIR / (kfp_run_id or "no-run-id") / f"{cfg.recipe.name}-seed{cfg.seed}"
     with atomic_directory(stage_dir / "model", overwrite=True) as tmp:
         shutil.copytree(model_dir, tmp, dirs_exist_ok=True)
+    cfg = bundle_inputs(cfg, stage_dir / "inputs")
     atomic_write_text(stage_dir / "run-config.yaml", yaml.safe_dump(resolved_config(cfg), sort_keys=False))
     return stage_dir
 

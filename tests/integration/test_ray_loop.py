@@ -168,3 +168,28 @@ def test_worker_errors_name_the_actor_and_keep_the_original(
             parts.engine.generate([[5, 6, 7]] * 64, SamplingParams(max_tokens=8))
     finally:
         parts.shutdown()
+
+
+def test_a_users_task_and_python_reward_score_the_same_on_ray(
+    local_ray: object, warm_model: Path, tmp_path: Path
+) -> None:
+    """A JSONL task with a Python reward: the Ray run (rollouts on a worker actor, the reward in the driver where
+    the config was loaded) scores every step as the one-process run does."""
+    from fp8rl.cluster.driver import run_rl_on_ray
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    inputs = {
+        "task": {
+            "type": "jsonl",
+            "train": str(docs / "data/sums-train.jsonl"),
+            "test": str(docs / "data/sums-test.jsonl"),
+        },
+        "reward": {"type": "python", "function": f"{docs / 'examples/reward_last_number.py'}:score"},
+    }
+    single = run_rl(_cfg("bf16", None, tmp_path, steps=2, **inputs), warm_model, MemorySink(), log=lambda _s: None)
+    cfg = _cfg("bf16", RayConfig(trainer_workers=1, rollout_workers=1), tmp_path, steps=2, **inputs)
+    on_ray = run_rl_on_ray(cfg, warm_model, MemorySink(), log=lambda _s: None)
+    for a, b in zip(single.history, on_ray.history, strict=True):
+        assert b["reward"] == a["reward"] and b["reward/errors"] == a["reward/errors"] == 0
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-6, abs=1e-9)
+    assert on_ray.final == pytest.approx(single.final)

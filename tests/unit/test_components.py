@@ -53,6 +53,7 @@ RUN_CONFIG = {
     "ray": None,
 }
 KFP_RUN = "0f1e2d3c-kfp-run"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def art(cls: type, tmp: Path, name: str) -> Any:
@@ -293,11 +294,26 @@ def test_rayjob_backend_runs_the_cli_contract(
         submitted.append(doc)
         run_entrypoint_here(doc, api, timeout_s)
 
-    cfg = run_config("fp8-e2e", 1, 0, RUN_CONFIG, ref)
+    # the user's task files and reward live where only the step's pod sees them: the job must get copies
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("sums-train.jsonl", "sums-test.jsonl"):
+        shutil.copy(DOCS / "data" / name, user / name)
+    shutil.copy(DOCS / "examples" / "reward_last_number.py", user / "reward.py")
+    inputs = {
+        "task": {"type": "jsonl", "train": str(user / "sums-train.jsonl"), "test": str(user / "sums-test.jsonl")},
+        "reward": {"type": "python", "function": f"{user / 'reward.py'}:score"},
+    }
+
+    def submit_elsewhere(doc: dict[str, Any], api: object, timeout_s: float) -> None:
+        shutil.rmtree(user)  # the Ray pods cannot read the step pod's files
+        submit(doc, api, timeout_s)
+
+    cfg = run_config("fp8-e2e", 1, 0, {**RUN_CONFIG, **inputs}, ref)
     tags = {TAG_KFP_RUN_ID: KFP_RUN, TAG_KFP_COMPONENT: "rl-step"}
     out = tmp_path / "trained"
     run_id = rayjob_backend.run_rl_step_as_rayjob(
-        cfg, tiny_models["tiny"], out, ref.run_id, tags, template, 600, api=object(), submit=submit
+        cfg, tiny_models["tiny"], out, ref.run_id, tags, template, 600, api=object(), submit=submit_elsewhere
     )
     (doc,) = submitted
     assert doc["kind"] == "RayJob" and doc["metadata"]["namespace"] == "team-ns"
@@ -306,10 +322,16 @@ def test_rayjob_backend_runs_the_cli_contract(
     stage = Path(cfg.work_dir) / "kfp-runs" / KFP_RUN / "fp8-e2e-seed0"
     assert f"--model {stage / 'model'}" in doc["spec"]["entrypoint"]
     assert f"--parent-run-id {ref.run_id}" in doc["spec"]["entrypoint"]
+    staged = yaml.safe_load((stage / "run-config.yaml").read_text())
+    assert staged["task"]["train"] == str(stage / "inputs" / "train-sums-train.jsonl")
+    assert staged["reward"]["function"] == f"{stage / 'inputs' / 'reward-reward.py'}:score"
+    assert (stage / "inputs" / "test-sums-test.jsonl").read_bytes() == (DOCS / "data" / "sums-test.jsonl").read_bytes()
     assert (out / "model.safetensors").is_file()
     run = MlflowClient(ref.tracking_uri).get_run(run_id)
     assert run.data.tags["mlflow.parentRunId"] == ref.run_id and run.data.tags["recipe"] == "fp8-e2e"
     assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and "summary/final_accuracy" in run.data.metrics
+    assert run.data.params["task.type"] == "jsonl" and run.data.params["reward.type"] == "python"
+    assert run.data.metrics["reward/errors"] == 0
 
 
 def test_rayjob_backend_needs_the_volume(tracking: Artifact, tmp_path: Path) -> None:
