@@ -1,4 +1,5 @@
-"""``recipe-comparison``: prepare -> SFT warm-up -> FP8 conversion -> per recipe (RL step -> evaluate -> benchmark) -> compare."""
+"""``recipe-comparison``: prepare -> SFT warm-up -> FP8 conversion [-> mismatch diagnosis] -> per recipe (RL step ->
+evaluate -> benchmark) -> compare."""
 
 from typing import Any
 
@@ -40,11 +41,16 @@ def build(parallelism: int = 0) -> Any:
         rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
         mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
         hf_secret: str = DEFAULT_HF_SECRET,
+        diagnose: bool = False,
+        diagnose_target: float = 1.02,
     ) -> Markdown:
         """Every recipe starts from the same warmed-up checkpoint and is one child MLflow run of one comparison run.
 
         ``run_config``: further RunConfig fields for every recipe (e.g. ``{"grpo": {"prompts_per_step": 8}}``).
         ``backend``: ``rayjob`` (a KubeRay RayJob per RL step) or ``local`` (in the step's process).
+        ``diagnose``: first attribute ``convert_recipe``'s FP8 mismatch to layers on the warmed-up model and
+        recommend the BF16 layers that bring it under ``diagnose_target`` (``fp8rl diagnose``).  It runs beside
+        the RL steps (KFP lets no task outside a condition wait on one inside it); its report is advisory.
         """
         refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret)
         tracking = stages.start(NAME, experiment, work_dir, refs)
@@ -54,6 +60,8 @@ def build(parallelism: int = 0) -> Any:
         with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
             rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, params, refs)
             rl.after(conversion)
+        with dsl.If(diagnose == True):  # noqa: E712 -- a KFP condition, not a Python comparison
+            stages.diagnose(warm, convert_recipe, run_config, diagnose_target, device, refs)
         report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
         return report.outputs["report"]
 

@@ -11,6 +11,7 @@ from kfp.dsl import PipelineTask
 from components.benchmark import benchmark
 from components.compare import compare_recipes
 from components.convert import convert_to_fp8
+from components.diagnose import diagnose_mismatch
 from components.evaluate import evaluate
 from components.prepare_model import prepare_model
 from components.rl_step import rl_step
@@ -64,6 +65,16 @@ def warm_up(base: PipelineTask, sft_steps: Any, refs: ClusterRefs) -> PipelineTa
 def convert(model: PipelineTask, recipe: Any, refs: ClusterRefs) -> PipelineTask:
     task = convert_to_fp8(model=model.outputs["model"], recipe=recipe).set_display_name("convert to FP8")
     return on_cluster(task, refs)
+
+
+def diagnose(
+    model: PipelineTask, recipe: Any, run_config: Any, target: Any, device: Any, refs: ClusterRefs
+) -> PipelineTask:
+    """``fp8rl diagnose`` of ``recipe`` on the warmed-up model (which layers to keep BF16), before any RL step."""
+    task = diagnose_mismatch(
+        model=model.outputs["model"], recipe=recipe, run_config=run_config, target=target, device=device
+    ).set_display_name("diagnose FP8 mismatch")
+    return on_cluster(task, refs, gpu=True)
 
 
 def train_evaluate_benchmark(

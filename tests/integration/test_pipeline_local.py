@@ -9,6 +9,7 @@ report logged on the comparison run, which ends FINISHED.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ BUDGET = [
     "rl_steps=2",
     "bench_steps=1",
     "run_config={grpo: {prompts_per_step: 4, group_size: 4}, eval_examples: 16, eval_samples: 1, eval_every: 2}",
+    "diagnose=true",  # the optional mismatch diagnosis runs too
 ]
 
 
@@ -64,3 +66,7 @@ def test_recipe_comparison_runs_locally(
     logs = list((work / "kfp-local").glob("recipe-comparison-*.log"))
     assert len(logs) == 1 and "Got executor_input" in logs[0].read_text()
     assert logs[0].read_text().count("started a local Ray") == 3  # one per RL step
+    (diagnosis,) = (work / "kfp-local").rglob("diagnosis.json")
+    per_layer = json.loads(diagnosis.read_text())
+    assert len(per_layer["per_layer"]) == 2 and per_layer["tmpe_all_fp8"] >= 1.0  # the tiny preset: 2 layers
+    assert (diagnosis.parent / "diagnosis.md").is_file()

@@ -34,11 +34,11 @@ from pipelines.compile import compile_all, main, pipeline_ir
 EXECUTORS = {
     "fp8-rl": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "rl-step", "evaluate", "benchmark",
                "compare-recipes"},
-    "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "rl-step", "evaluate",
-                          "benchmark", "compare-recipes"},
+    "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "diagnose-mismatch",
+                          "rl-step", "evaluate", "benchmark", "compare-recipes"},
     "fp8-benchmark": {"start-tracking", "prepare-model", "convert-to-fp8", "benchmark", "compare-recipes"},
 }  # fmt: skip
-GPU_STEPS = {"evaluate", "benchmark"}
+GPU_STEPS = {"evaluate", "benchmark", "diagnose-mismatch"}
 TRACKED_STEPS = {"start-tracking", "rl-step", "evaluate", "benchmark", "compare-recipes"}
 CLUSTER_PARAMS = {
     "pvc_name": DEFAULT_PVC,
@@ -115,8 +115,23 @@ def test_recipe_comparison_parameters(irs: dict[str, list[dict[str, Any]]]) -> N
         "backend": ("STRING", "rayjob"),
         "device": ("STRING", "auto"),
         **{k: ("STRING", v) for k, v in CLUSTER_PARAMS.items()},
+        "diagnose": ("BOOLEAN", False),
+        "diagnose_target": ("NUMBER_DOUBLE", 1.02),
     }
     assert {k: (v["parameterType"], v["defaultValue"]) for k, v in params.items()} == expected
+
+
+def test_the_mismatch_diagnosis_runs_only_when_asked_on_the_warmed_up_model(
+    irs: dict[str, list[dict[str, Any]]],
+) -> None:
+    ir = irs["recipe-comparison"]
+    (cond,) = [t for name, t in ir[0]["root"]["dag"]["tasks"].items() if name.startswith("condition-")]
+    assert cond["triggerPolicy"]["condition"] == "inputs.parameter_values['pipelinechannel--diagnose'] == true"
+    body = ir[0]["components"][cond["componentRef"]["name"]]["dag"]["tasks"]
+    diag = body["diagnose-mismatch"]["inputs"]
+    assert diag["artifacts"]["model"]["componentInputArtifact"].endswith("sft-warmup-model")
+    assert diag["parameters"]["recipe"] == {"componentInputParameter": "pipelinechannel--convert_recipe"}
+    assert diag["parameters"]["target"] == {"componentInputParameter": "pipelinechannel--diagnose_target"}
 
 
 @pytest.mark.parametrize("name", PIPELINE_NAMES)
@@ -157,7 +172,7 @@ def test_local_build_runs_one_recipe_at_a_time() -> None:
 @pytest.mark.parametrize("name", PIPELINE_NAMES)
 def test_tracked_steps_are_never_cached(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
     for task, spec in all_tasks(irs[name]).items():
-        if task.startswith("for-loop"):
+        if task.startswith(("for-loop", "condition-")):
             continue
         assert spec.get("cachingOptions", {}).get("enableCache", False) is (task not in TRACKED_STEPS), task
 
