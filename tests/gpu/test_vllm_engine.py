@@ -149,3 +149,97 @@ def test_rl_loop_with_fp8_kv_cache_recalibrates_every_step(tiny_models: dict[str
     for step, metrics in enumerate(result.history, start=1):
         assert metrics["kv/calibration_s"] > 0 and 0 < metrics["kv/k_scale_min"] <= metrics["kv/k_scale_max"]
         assert metrics["sync/policy_version"] == step
+
+
+# ---- pretrained models and shapes that are not whole 128x128 tiles ------------------------------------------
+def _chat_prompts(model_dir: Path, n: int = 8) -> tuple[Any, list[list[int]], list[str]]:
+    from fp8rl.models.loading import load_tokenizer
+    from fp8rl.tasks.prompts import PromptFormat
+    from fp8rl.tasks.verify import Example
+
+    tok = load_tokenizer(model_dir)
+    pairs = [(a, b) for a in (3, 7, 12, 25) for b in (4, 9)][:n]
+    examples = [Example(prompt=f"What is {a} + {b}? Answer with the number.", answer=str(a + b)) for a, b in pairs]
+    return tok, PromptFormat().encode_all(tok, examples), [e.answer for e in examples]
+
+
+def test_vllm_serves_the_converted_real_model(smollm2: Path, tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct (hidden size 576, 192-row k/v: no decoder linear is whole 128x128 tiles): vLLM loads
+    the checkpoint fp8rl converts for an FP8 recipe with every linear kept BF16 (the consumer policy), the engine
+    says so and syncs them in BF16, and its greedy chat answers are the BF16 engine's and mostly right."""
+    from fp8rl.tasks.rewards import extract_last_number
+
+    tok, prompts, answers = _chat_prompts(smollm2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    with engine(smollm2, tmp_path, "bf16") as e:
+        assert e.stop_token_ids[0] == tok.eos_token_id  # <|im_end|> ends the chat turn
+        ref = e.generate(prompts, greedy)
+    with engine(smollm2, tmp_path, "fp8-rollout") as e:
+        assert (
+            e.fp8_modules == [] and e.partial_tile_note and "serves 210 decoder linears in BF16" in e.partial_tile_note
+        )
+        qcfg = e.model_config["quantization_config"]
+        assert len(qcfg["ignored_layers"]) == 1 + 30 * 7
+        out = e.generate(prompts, greedy)
+        weights = {n: v.clone() for n, v in e.held_weights().items() if ".layers.3." in n}
+        e.load_weights(weights, version=1)  # a BF16 payload for modules held in BF16 is accepted
+        verify_engine_weights(e, weights, 1)
+    same = sum(torch.equal(a, b) for a, b in zip(out.response_ids, ref.response_ids, strict=True))
+    assert same >= len(prompts) - 1, f"{same}/{len(prompts)} identical greedy answers"
+    texts = tok.batch_decode([r[m.bool()] for r, m in zip(out.response_ids, out.response_mask, strict=True)],
+                             skip_special_tokens=True)  # fmt: skip
+    right = sum(extract_last_number(t) == a for t, a in zip(texts, answers, strict=True))
+    print(f"real model on vLLM: {right}/{len(answers)} right; {same}/{len(prompts)} equal to bf16; {texts[:2]}")
+    assert right >= len(answers) // 2
+
+
+def test_vllm_holds_a_partial_kv_model_mixed_and_reloads_bit_exactly(tmp_path: Path) -> None:
+    """k/v of 64 rows: vLLM serves q/k/v in BF16 and o/gate/up/down in block FP8 in one model; in-place reloads
+    of that mix are bit-exact."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fp8rl.quant import QuantizedTensor
+
+    src = tmp_path / "gqa"
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(src)
+    with engine(src, tmp_path / "work") as e:
+        held = e.held_weights()
+        assert sorted(e.fp8_modules) == sorted(
+            f"model.layers.{i}.{s}"
+            for i in range(2)
+            for s in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        )
+        assert not isinstance(held["model.layers.0.self_attn.k_proj.weight"], QuantizedTensor)
+        assert isinstance(held["model.layers.0.mlp.down_proj.weight"], QuantizedTensor)
+        r = e.generate(PROMPTS, GREEDY)
+        assert r.num_tokens > 0
+        names = {m + ".weight" for m in e.fp8_modules}
+        payload = requantize_for_rollout(_perturbed(src, 1), names, QuantSpec())
+        e.load_weights(payload, version=1)
+        verify_engine_weights(e, payload, 1)
+
+
+def test_rl_step_on_vllm_with_the_real_model_and_its_chat_template(smollm2: Path, tmp_path: Path) -> None:
+    """docs/configs/real-model.yaml (chat template, last-number reward) for one fp8-e2e step on vLLM."""
+    from fp8rl.config import load_run_config_data, parse_run_config
+    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.tracking import MemorySink
+
+    root = Path(__file__).resolve().parents[2]
+    data = load_run_config_data(root / "docs/configs/real-model.yaml")
+    for key in ("train", "test"):
+        data["task"][key] = str(root / data["task"][key])
+    data.update(steps=1, eval_every=1, eval_examples=8, rollout=ROLLOUT, work_dir=str(tmp_path))
+    cfg = parse_run_config({**data, "recipe": load_recipe("fp8-e2e")}, "real-model.yaml")
+    parts = build_parts(cfg, smollm2, "cuda")
+    try:
+        result = run_rl(cfg, smollm2, MemorySink(), log=lambda _s: None, device="cuda", parts=parts)
+    finally:
+        parts.engine.close()  # type: ignore[attr-defined]
+    (m,) = result.history
+    print(f"real model fp8-e2e step on vLLM: { {k: round(v, 4) for k, v in m.items() if not k.startswith('time/')} }")
+    assert m["sync/policy_version"] == 1 and m["reward/errors"] == 0
+    assert 1.0 <= m["mismatch/token_mult_prob_error"] < 1.5 and m["accuracy"] > 0
