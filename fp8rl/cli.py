@@ -132,6 +132,7 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
         "rollout_workers": args.rollout_workers,
         "address": args.ray_address,
         "layout": args.layout,
+        "trainer_sharding": args.trainer_sharding,
     }
     if any(v is not None for v in ray_flags.values()):
         base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
@@ -215,6 +216,10 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
     ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
     ray.add_argument("--layout", choices=["split", "colocated"], default=None, help="actor placement")
+    ray.add_argument(
+        "--trainer-sharding", choices=["replicate", "fsdp"], default=None,
+        help="fsdp: shard the fp32 masters and AdamW state across the trainer actors (FSDP2)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_train)
 
 

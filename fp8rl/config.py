@@ -120,6 +120,8 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
     micro_batch_size: int = Field(64, ge=1)
+    # recompute each decoder layer's activations in the backward instead of keeping them (long responses)
+    activation_checkpointing: bool = False
 
 
 class _PromptOptions(_Strict):
@@ -225,6 +227,9 @@ class RayConfig(_Strict):
 
     trainer_workers: int = Field(1, ge=1)
     rollout_workers: int = Field(1, ge=1)
+    # replicate: every trainer worker holds the whole model, fp32 masters and AdamW state (data parallel);
+    # fsdp: FSDP2 shards the fp32 masters and AdamW state across the trainer workers (fp8rl.train.trainer)
+    trainer_sharding: Literal["replicate", "fsdp"] = "replicate"
     # split: rollout and training on different devices; colocated: shared, time-sliced
     layout: Literal["split", "colocated"] = "split"
     # None: RAY_ADDRESS if set, else a local Ray started (and stopped) by the step
@@ -290,6 +295,11 @@ class RunConfig(_Strict):
             )
         if self.recipe.kv_cache == "fp8" and self.ray is not None:
             raise ValueError(KV_FP8_ON_RAY)
+        if self.ray is not None and self.ray.trainer_sharding == "fsdp" and self.recipe.trainer == "te":
+            raise ValueError(
+                "ray.trainer_sharding 'fsdp' shards the torch trainer only (recipe.trainer 'torch'); "
+                "the TransformerEngine trainer runs replicated"
+            )
         problem = vllm_recipe_problem(self.recipe) if self.rollout.engine == "vllm" else None
         if problem:
             raise ValueError(problem)

@@ -171,6 +171,8 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         schedule=o.schedule,
         total_steps=cfg.steps,
         micro_batch_size=o.micro_batch_size,
+        sharding=cfg.ray.trainer_sharding if cfg.ray is not None else "replicate",
+        activation_checkpointing=o.activation_checkpointing,
     )
 
 

@@ -154,9 +154,21 @@ class TrainerGroup:
     actors: list[Any]
     calls: _Calls
     names: list[str] = field(default_factory=list)
+    # fsdp: every rank takes part in every forward and in every gather of the full weights
+    sharded: bool = False
+
+    def lead(self, method: str, *args: Any) -> Any:
+        """``method`` on rank 0, whose answer counts; sharded, on every rank (a collective), rank 0 answering."""
+        if not self.sharded:
+            return self.calls.get(getattr(self.actors[0], method).remote(*args), f"{self.names[0]}.{method}")
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return self.calls.get(refs, [f"{n}.{method}" for n in self.names])[0]
 
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        if self.sharded:  # a rank with no rows still joins the forwards' all-gathers
+            n = batch.input_ids.shape[0]
+            chunks += [slice(n, n)] * (len(self.actors) - len(chunks))
         refs = [
             a.compute_logprobs.remote(batch.slice(rows), temperature)
             for a, rows in zip(self.actors, chunks, strict=False)
@@ -199,7 +211,8 @@ class TrainerGroup:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return self.calls.get(self.actors[0].state_dict.remote(), f"{self.names[0]}.state_dict")
+        state: dict[str, Any] = self.lead("state_dict")
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import ray
@@ -231,11 +244,13 @@ class RayParts:
             return self._push_collective(version)
         t0 = time.perf_counter()
         # requantized once, on trainer rank 0; the payload stays in the object store and each
-        # rollout worker fetches it by reference
-        payload_ref = self.trainer.actors[0].rollout_payload.remote(self.fp8_names)
+        # rollout worker fetches it by reference (sharded: every rank joins the gather of the weights)
+        trainers = self.trainer.actors if self.trainer.sharded else self.trainer.actors[:1]
+        payload_refs = [a.rollout_payload.remote(self.fp8_names) for a in trainers]
         self.engine.wake_up()
-        loads = [a.load_weights.remote(payload_ref, version, self.verify) for a in self.engine.actors]
+        loads = [a.load_weights.remote(payload_refs[0], version, self.verify) for a in self.engine.actors]
         sizes = self.engine.calls.get(loads, [f"{n}.load_weights" for n in self.engine.names])
+        self.trainer.calls.get(payload_refs[1:], [f"{n}.rollout_payload" for n in self.trainer.names[1:]])
         self.engine.sleep()
         self.engine.policy_version = version
         seconds = time.perf_counter() - t0
@@ -245,18 +260,18 @@ class RayParts:
         """Trainer rank 0 broadcasts in buckets; every rollout worker receives into its engine in place."""
         engine = self.engine
         engine.wake_up()
-        send = self.trainer.actors[0].push_weights.remote(version)
+        trainers = self.trainer.actors if self.trainer.sharded else self.trainer.actors[:1]
+        sends = [a.push_weights.remote(version) for a in trainers]
         receives = [a.receive_weights.remote(self.sync_layout, version) for a in engine.actors]
-        sent, *_received = engine.calls.get([send, *receives], ["trainer-0.push_weights", *engine.names])
+        t_names = [f"{n}.push_weights" for n in self.trainer.names[: len(sends)]]
+        sent, *_rest = engine.calls.get([*sends, *receives], [*t_names, *engine.names])
         engine.sleep()
         engine.policy_version = version
         nbytes, requant_s, transfer_s = sent
         return SyncStats(version, int(nbytes), len(self.fp8_names), requant_s, transfer_s, self.verify)
 
     def save_policy(self, output_dir: str | Path) -> None:
-        self.trainer.calls.get(
-            self.trainer.actors[0].save_policy.remote(str(output_dir), self.model_dir), "trainer-0.save_policy"
-        )
+        self.trainer.lead("save_policy", str(output_dir), self.model_dir)
 
     def shutdown(self) -> None:
         import ray
@@ -375,27 +390,33 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     bf16_bytes = calls.get(trainers[0].bf16_bytes.remote(), "trainer-0")
     engine = RolloutGroup(rollouts, calls, rc.layout == "colocated", pad, 0, r_names)
     engine.sleep()
-    layout = _init_collective_sync(calls, trainers[0], rollouts, rc, fp8_names) if rc.sync == "collective" else None
+    trainer = TrainerGroup(trainers, calls, _names_of("trainer", rc.trainer_workers), rc.trainer_sharding == "fsdp")
+    layout = _init_collective_sync(calls, trainer, rollouts, rc, fp8_names) if rc.sync == "collective" else None
+    mem = calls.get(trainers[0].memory.remote(), "trainer-0.memory")
+    held_mb = (mem["param_bytes"] + mem["master_bytes"] + mem["optimizer_state_bytes"]) / 2**20
     log(
         f"ray: {rc.trainer_workers} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, "
-        f"device {where.device}, sync {rc.sync}"
+        f"device {where.device}, sync {rc.sync}, trainer sharding {rc.trainer_sharding} "
+        f"(rank 0 holds {held_mb:.1f} MB of weights, fp32 masters and AdamW state)"
     )
-    trainer = TrainerGroup(trainers, calls, _names_of("trainer", rc.trainer_workers))
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
         fp8_names, layout,
     )  # fmt: skip
 
 
-def _init_collective_sync(calls: _Calls, sender: Any, receivers: list[Any], rc: RayConfig, fp8_names: list[str]) -> Any:
+def _init_collective_sync(
+    calls: _Calls, trainer: TrainerGroup, receivers: list[Any], rc: RayConfig, fp8_names: list[str]
+) -> Any:
     """Form the sync group (trainer rank 0 + every rollout worker) and agree on the payload layout."""
+    sender = trainer.actors[0]
     address = calls.get(sender.free_address.remote(), "trainer-0.free_address")
     init_method = "tcp://{}:{}".format(*address)
     world = 1 + len(receivers)
     joins = [sender.init_sync_group.remote(init_method, world, fp8_names, rc.sync_bucket_mb)]
     joins += [r.init_sync_group.remote(init_method, i + 1, world) for i, r in enumerate(receivers)]
     calls.get(joins, "sync group")
-    return calls.get(sender.sync_layout.remote(), "trainer-0.sync_layout")
+    return trainer.lead("sync_layout")
 
 
 def ensure_ray(rc: RayConfig, num_actors: int) -> bool:

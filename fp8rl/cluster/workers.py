@@ -4,12 +4,17 @@ These are plain classes; ``fp8rl.cluster.driver`` turns them into actors with ``
 and places them.  Each holds the same objects the one-process loop holds (``TorchTrainer``,
 ``TorchRolloutEngine``), so an actor computes exactly what ``fp8rl.loop`` computes.
 
-Data parallelism.  Every trainer worker holds a full replica.  The driver gives rank r the
+Data parallelism.  Replicated (``ray.trainer_sharding: replicate``), every trainer worker holds a
+full replica.  The driver gives rank r the
 r-th contiguous slice of the batch plus the batch's global token/sequence totals; each rank
 accumulates the gradient of its exact share of the global loss, and ``all_reduce(SUM)``
 over the fp32 master gradients (gloo on CPU, NCCL on GPU) gives every rank the full-batch
 gradient before the identical clip and AdamW step (the DDP recipe, by hand: the model's
-parameters are bf16 with fp32 masters, which DDP's hooks do not know about).
+parameters are bf16 with fp32 masters, which DDP's hooks do not know about).  Sharded
+(``fsdp``), FSDP2 holds 1/world of the fp32 masters and AdamW state on each rank and
+reduce-scatters the same summed gradient; whatever needs the full weights (the rollout
+payload, the collective push, the trainer state, the saved policy) is then a collective that
+every rank joins and rank 0 answers (the others return None).
 
 Weight sync.  Rank 0 requantizes its weights with the ROLLOUT recipe once and returns the
 payload (FP8 + scales for the quantized linears), which the driver passes by reference
@@ -86,7 +91,10 @@ class TrainerWorker:
         _set_threads(num_threads)
         self.rank, self.world_size = rank, world_size
         self.cfg = parse_run_config(cfg_data, "trainer worker config")
-        if world_size > 1:
+        sharded = self.cfg.ray is not None and self.cfg.ray.trainer_sharding == "fsdp"
+        if world_size > 1 or sharded:
+            if device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(device))
             dist.init_process_group(
                 _backend(torch.device(device)),
                 init_method=init_method,
@@ -95,7 +103,8 @@ class TrainerWorker:
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
         self.trainer = build_trainer(self.cfg, model_dir, device)
-        if world_size > 1:
+        self.sharded = self.trainer.sharded
+        if world_size > 1 and not self.sharded:
             self.trainer.optimizer.grad_reducer = self._sum_across_ranks
 
     def _sum_across_ranks(self, grads: list[torch.Tensor]) -> None:
@@ -127,9 +136,19 @@ class TrainerWorker:
             batch, advantages, old_logprobs, is_weights, loss_mask, loss_cfg, temperature, totals=totals
         )
 
-    def rollout_payload(self, fp8_names: list[str]) -> WirePayload:
-        """The weights requantized with the rollout recipe (rank 0 only; every rank holds the same)."""
-        return to_wire(requantize_for_rollout(self.trainer.hf_state_dict(), set(fp8_names), quant_spec(self.cfg)))
+    def _full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full bf16 weights on the rank that answers (0); sharded, every rank joins the gather."""
+        if self.sharded:
+            weights = self.trainer.hf_state_dict()
+            return weights if self.rank == 0 else None
+        return self.trainer.hf_state_dict() if self.rank == 0 else None
+
+    def rollout_payload(self, fp8_names: list[str]) -> WirePayload | None:
+        """The weights requantized with the rollout recipe, from rank 0 (replicated, every rank holds the same)."""
+        weights = self._full_weights()
+        if weights is None:
+            return None
+        return to_wire(requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg)))
 
     def init_sync_group(self, init_method: str, world_size: int, fp8_names: list[str], bucket_mb: int) -> None:
         """Join the sync group as its rank 0 (the sender), beside the data-parallel group."""
@@ -144,19 +163,37 @@ class TrainerWorker:
         """The rendezvous of the sync group this rank will lead."""
         return node_address()
 
-    def sync_layout(self) -> SyncLayout:
-        return self.collective.layout(self.trainer.hf_state_dict())
+    def sync_layout(self) -> SyncLayout | None:
+        weights = self._full_weights()
+        return None if weights is None else self.collective.layout(weights)
 
-    def push_weights(self, version: int) -> tuple[int, float, float]:
-        """Broadcast the requantized weights; (bytes, requantize s, transfer s)."""
-        stats = self.collective.push(self.trainer.hf_state_dict(), version)
+    def push_weights(self, version: int) -> tuple[int, float, float] | None:
+        """Broadcast the requantized weights (rank 0); (bytes, requantize s, transfer s)."""
+        weights = self._full_weights()
+        if weights is None:
+            return None
+        stats = self.collective.push(weights, version)
         return stats.bytes_sent, stats.requantize_seconds, stats.load_seconds
 
     def bf16_bytes(self) -> int:
-        return sum(p.numel() * 2 for p in self.trainer.model.parameters())
+        return sum(p.numel() * 2 for p in self.trainer.model.parameters())  # a DTensor's numel is the full one
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.trainer.state_dict()
+    def memory(self) -> dict[str, float]:
+        """This rank's resident training state in bytes: bf16 weights (replicated only; sharded, they exist
+        while a unit is gathered), fp32 masters, and AdamW's two fp32 moments (made at the first step)."""
+        from torch.distributed.tensor import DTensor
+
+        opt = self.trainer.optimizer
+        local = sum(m.to_local().numel() if isinstance(m, DTensor) else m.numel() for m in opt.master)
+        params = 0 if self.sharded else sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
+        return {"param_bytes": float(params), "master_bytes": 4.0 * local, "optimizer_state_bytes": 8.0 * local}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The full trainer state from rank 0 (sharded: gathered by every rank)."""
+        if self.sharded or self.rank == 0:
+            state = self.trainer.state_dict()
+            return state if self.rank == 0 else None
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.load_state_dict(state)

@@ -14,7 +14,7 @@ rollout engine and in the converted checkpoint.  Two paths compute the same FP8 
   one Triton pass over X gives its 1x128 copy for the forward and its transposed copy for the
   wgrad (kept for the backward instead of X); one pass over dY gives both of its copies; the
   weight and its transpose are quantized once per weight version (once per optimizer step, not
-  per micro-batch) and cached on the module; the GEMMs are cuBLAS block-scaled GEMMs.
+  per micro-batch; under FSDP2, once per ``weights_changed`` call) and cached on the module; the GEMMs are cuBLAS block-scaled GEMMs.
 - reference (everything else, the CPU): the torch quantizers and ``fp8_gemm`` (tensor cores
   where cuBLAS takes the operands, exact emulation on CPU).
 
@@ -119,6 +119,9 @@ class FP8TrainLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run in FP8 per ``spec``; parameters unchanged (same names)."""
 
     _fused_weight: BlockWeight | None = None  # the fused path's FP8 weight operands, per weight version
+    # FSDP2 re-gathers the weight into the same storage every forward (its version counter says nothing):
+    # the sharded trainer sets this and calls ``weights_changed`` after every optimizer step instead
+    cache_until_changed: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, spec: QuantSpec, **kw: Any) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
@@ -140,11 +143,16 @@ class FP8TrainLinear(nn.Linear):
         if not block_linear_supported(self.in_features, self.out_features, self.spec, w.device):
             return None
         cached: BlockWeight | None = getattr(self, "_fused_weight", None)
-        if cached is None or cached.key != (w.data_ptr(), w._version):
+        stale = cached is None or (not self.cache_until_changed and cached.key != (w.data_ptr(), w._version))
+        if stale:
             with torch.no_grad():
                 cached = quantize_block_weight(w.detach(), self.spec, transpose=True)
             self._fused_weight = cached
         return cached
+
+    def weights_changed(self) -> None:
+        """The weight was updated (an optimizer step, a load): the next forward re-quantizes it."""
+        self._fused_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)

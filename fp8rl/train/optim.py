@@ -1,14 +1,23 @@
 """AdamW over FP32 master weights for a model that computes in BF16.
 
-The model's parameters stay bf16 (the numerics the rollout engine also runs); each has an
-fp32 master copy, gradients are accumulated in fp32 across micro-batches, and after the
-AdamW step the masters are rounded back into the bf16 parameters.
+Replicated (``MasterWeightAdamW``): the model's parameters stay bf16 (the numerics the rollout
+engine also runs); each has an fp32 master copy, gradients are accumulated in fp32 across
+micro-batches, and after the AdamW step the masters are rounded back into the bf16 parameters.
+
+Sharded (``ShardedAdamW``, with FSDP2): the model's parameters ARE the fp32 masters, each rank
+holding 1/world of every one (a ``DTensor`` shard) and AdamW's state for that shard only;
+FSDP2 all-gathers them in bf16 for compute and reduce-scatters the bf16 gradients in fp32 into
+the sharded fp32 gradients.  Same numerics, 12 bytes per parameter divided by the ranks.
+
+Both give and take their state as full (unsharded) tensors on the CPU in one layout, so a run
+checkpointed with one resumes with the other.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +40,18 @@ class MasterWeightAdamW:
         # Data parallelism: sums the accumulated fp32 gradients across ranks before clipping
         # (set by the worker that owns the process group; None in one process).
         self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None
+
+    def full_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """(fp32 masters, AdamW state dict) as full tensors."""
+        return [m.detach().clone() for m in self.master], self.optimizer.state_dict()
+
+    @torch.no_grad()
+    def load_full_state(self, masters: list[torch.Tensor], optim_state: dict[str, Any]) -> None:
+        _check_count(masters, self.master)
+        for m, p, saved in zip(self.master, self.params, masters, strict=True):
+            m.copy_(saved)
+            p.copy_(saved)
+        self.optimizer.load_state_dict(optim_state)
 
     @torch.no_grad()
     def accumulate(self, scale: float = 1.0) -> None:
@@ -55,6 +76,86 @@ class MasterWeightAdamW:
             assert m.grad is not None
             m.grad.zero_()
         return norm
+
+
+def _check_count(saved: list[torch.Tensor], own: list[Any]) -> None:
+    if len(saved) != len(own):
+        raise ValueError(f"trainer state has {len(saved)} master tensors, the model {len(own)}")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``param`` is (its DTensor shard on its mesh), on its device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        return full.to(param.device)
+    return distribute_tensor(full.to(device=param.to_local().device), param.device_mesh, param.placements)
+
+
+class ShardedAdamW:
+    """AdamW over FSDP2-sharded fp32 parameters (the masters themselves); ``MasterWeightAdamW``'s interface."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.master = self.params
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None  # FSDP2 reduce-scatters itself
+
+    def accumulate(self, scale: float = 1.0) -> None:
+        """Nothing to move: FSDP2 adds each micro-batch's reduce-scattered fp32 gradient to the shard's."""
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    @torch.no_grad()
+    def step(self, grad_clip: float) -> float:
+        """Clip by the global norm (over all shards), step every shard; returns the pre-clip norm."""
+        for p in self.params:
+            if p.grad is None:  # a parameter no micro-batch reached still takes part in the norm's collectives
+                p.grad = torch.zeros_like(p)
+        norm = nn.utils.clip_grad_norm_(self.params, grad_clip)
+        value = float(_full(norm))
+        if math.isfinite(value):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return value
+
+    def full_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """(fp32 masters, AdamW state dict) as full CPU tensors; a collective: every rank calls it."""
+        state = self.optimizer.state_dict()
+        full_state = {
+            i: {k: _full(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        }
+        return [_full(p) for p in self.params], {"state": full_state, "param_groups": state["param_groups"]}
+
+    @torch.no_grad()
+    def load_full_state(self, masters: list[torch.Tensor], optim_state: dict[str, Any]) -> None:
+        _check_count(masters, self.params)
+        for p, saved in zip(self.params, masters, strict=True):
+            p.copy_(_shard_like(saved.to(torch.float32), p))
+        sharded = {
+            i: {
+                k: _shard_like(v, self.params[int(i)]) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for k, v in s.items()
+            }
+            for i, s in optim_state["state"].items()
+        }
+        self.optimizer.load_state_dict({"state": sharded, "param_groups": optim_state["param_groups"]})
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):  # type: ignore[no-untyped-def]

@@ -3,6 +3,15 @@
 Logprobs are recomputed here under TRAINING numerics; for ``fp8`` the decoder linears run
 forward, dgrad and wgrad in FP8 (``FP8TrainLinear``) with the recipe's scaling, while
 embeddings, lm_head, norms, attention math and the configured BF16 layers stay BF16.
+
+Sharding.  ``sharding="replicate"`` (default): this process holds the whole model in bf16 with
+fp32 masters and AdamW state (``MasterWeightAdamW``; data-parallel ranks sum their gradients
+through ``grad_reducer``).  ``sharding="fsdp"``: FSDP2 (``fully_shard`` on every decoder layer
+and the model) over the process group the caller made; the parameters are the fp32 masters,
+sharded, AdamW state sharded with them (``ShardedAdamW``), bf16 compute and fp32 gradient
+reduction (``MixedPrecisionPolicy``), the gradient SUMMED across ranks as the replicated path
+sums it.  Every rank must then make the same calls in the same order: forwards, backwards,
+``hf_state_dict``, ``state_dict`` and ``save_checkpoint`` are collectives.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
 from fp8rl.train.fp8_linear import FP8TrainLinear
-from fp8rl.train.optim import MasterWeightAdamW, lr_lambda
+from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
+
+SHARDINGS = ("replicate", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,8 @@ class TrainerOptions:
     schedule: str = "constant"
     total_steps: int = 100
     micro_batch_size: int = 64
+    sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
 
 
 @dataclass
@@ -85,22 +98,83 @@ class TorchTrainer:
     def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
         if opts.precision not in ("bf16", "fp8"):
             raise ValueError(f"trainer precision must be 'bf16' or 'fp8', got {opts.precision!r}")
+        if opts.sharding not in SHARDINGS:
+            raise ValueError(f"trainer sharding must be one of {SHARDINGS}, got {opts.sharding!r}")
+        self.sharded = opts.sharding == "fsdp"
+        # sharded: loaded on the CPU; fully_shard moves each rank's shard (only) to the device
+        load_on = "cpu" if self.sharded else device
         if isinstance(model, PreTrainedModel):
-            self.model = model.to(device=device, dtype=torch.bfloat16)  # type: ignore[call-arg]
+            self.model = model.to(device=load_on, dtype=torch.bfloat16)  # type: ignore[call-arg]
         else:
-            self.model = load_causal_lm(model, dtype=torch.bfloat16, device=device)
+            self.model = load_causal_lm(model, dtype=torch.bfloat16, device=load_on)
         self.model.train()
         self.device = torch.device(device)
         self.opts = opts
         self.fp8_modules: list[str] = self._convert_linears()
-        self.optimizer = MasterWeightAdamW(
-            list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
-        )
+        if opts.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.optimizer: MasterWeightAdamW | ShardedAdamW
+        if self.sharded:
+            self._shard()
+            self.optimizer = ShardedAdamW(
+                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
+            )
+        else:
+            self.optimizer = MasterWeightAdamW(
+                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
+            )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer.optimizer, lr_lambda(opts.warmup_steps, opts.total_steps, opts.schedule)
         )
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         self.step_count = 0
+
+    def _shard(self) -> None:
+        """FSDP2 over the default process group: every decoder layer a unit, the rest in the root unit."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            raise ValueError("trainer sharding 'fsdp' needs a process group (the Ray trainer workers make one)")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        with torch.no_grad():
+            for p in self.model.parameters():  # bf16 -> fp32 is exact: the masters start where the weights are
+                p.data = p.data.to(torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        units = [fully_shard(layer, mesh=mesh, mp_policy=mp) for layer in self.model.model.layers]
+        units.append(fully_shard(self.model, mesh=mesh, mp_policy=mp))
+        for unit in units:  # each rank's loss is its exact share of the global loss: SUM, no division
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+    def _weights_changed(self) -> None:
+        """After an optimizer step or a load: FP8 linears drop their cached FP8 weights."""
+        for m in self.model.modules():
+            if isinstance(m, FP8TrainLinear):
+                m.weights_changed()
+
+    def _micro_batches(self, n: int) -> list[slice]:
+        """This rank's micro-batches; sharded, every rank runs as many (the collectives pair up), padding with
+        empty ones that run a one-row forward (and backward) that counts for nothing."""
+        count = -(-n // self.opts.micro_batch_size)
+        slices = [slice(s, s + self.opts.micro_batch_size) for s in range(0, n, self.opts.micro_batch_size)]
+        if self.sharded:
+            import torch.distributed as dist
+
+            most = torch.tensor([count], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            slices += [slice(0, 0)] * (int(most.item()) - count)
+        return slices
+
+    def _padding_batch(self, like: SequenceBatch) -> SequenceBatch:
+        """One row of padding with one response token: a forward that every rank can run."""
+        w = like.prompt_width
+        ids = torch.full((1, w + 1), self.pad_token_id, dtype=torch.long)
+        attn = torch.ones_like(ids)
+        return SequenceBatch(ids, attn, (attn.cumsum(-1) - 1), torch.zeros(1, 1), w)
 
     # ---- backend hooks (TETrainer overrides both) ------------------------------------------------------
     def _convert_linears(self) -> list[str]:
@@ -114,6 +188,9 @@ class TorchTrainer:
         names = fp8_module_names(self.model, self.opts.bf16_first_layers, self.opts.bf16_last_layers)
         spec = self.opts.spec
         swap_modules(self.model, names, lambda _n, old: FP8TrainLinear.from_linear(old, spec))  # type: ignore[arg-type]
+        for m in self.model.modules():
+            if isinstance(m, FP8TrainLinear):
+                m.cache_until_changed = self.sharded
         return names
 
     def _logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -134,10 +211,16 @@ class TorchTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-        out = []
-        for s in range(0, batch.input_ids.shape[0], self.opts.micro_batch_size):
-            out.append(self._response_logprobs(batch.slice(slice(s, s + self.opts.micro_batch_size)), temperature))
-        return torch.cat(out).cpu()
+        n, t = batch.response_mask.shape
+        out = [torch.zeros(0, t)]
+        for sl in self._micro_batches(n):
+            if sl.stop == 0:  # a sharded rank with fewer micro-batches: its part of the collectives only
+                self._response_logprobs(self._padding_batch(batch), temperature)
+                continue
+            out.append(self._response_logprobs(batch.slice(sl), temperature).cpu())
+        if self.sharded:  # the root unit stays gathered after a forward with no backward: free it
+            self.model.reshard()
+        return torch.cat(out)
 
     # ---- updates -------------------------------------------------------------------------------------
     def policy_step(
@@ -165,10 +248,11 @@ class TorchTrainer:
         total_tokens, total_seqs = totals
         sums: dict[str, float] = {}
         loss_total = 0.0
-        for s in range(0, n, self.opts.micro_batch_size):
-            sl = slice(s, s + self.opts.micro_batch_size)
+        for sl in self._micro_batches(n):
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
+                if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
+                    self._response_logprobs(self._padding_batch(batch), temperature).sum().mul(0.0).backward()
                 continue
             lp = self._response_logprobs(batch.slice(sl), temperature)
             inp = PolicyLossInput(
@@ -189,6 +273,7 @@ class TorchTrainer:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * weight
         grad_norm = self.optimizer.step(self.opts.grad_clip)
+        self._weights_changed()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step_count += 1
@@ -199,52 +284,84 @@ class TorchTrainer:
         n = batch.input_ids.shape[0]
         total = float(batch.response_mask.sum().clamp(min=1))
         loss_total = 0.0
-        for s in range(0, n, self.opts.micro_batch_size):
-            mb = batch.slice(slice(s, s + self.opts.micro_batch_size))
+        for sl in self._micro_batches(n):
+            mb = batch.slice(sl) if sl.stop else self._padding_batch(batch)
             lp = self._response_logprobs(mb, temperature=1.0)
             loss = -(lp.sum()) / total
             loss.backward()
             self.optimizer.accumulate()
             loss_total += float(loss.detach())
         grad_norm = self.optimizer.step(self.opts.grad_clip)
+        self._weights_changed()
         self.scheduler.step()
         self.step_count += 1
         return {"sft_loss": loss_total, "grad_norm": grad_norm}
 
     # ---- weights -------------------------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's (bf16) weights under their HF names: what is synced and checkpointed."""
-        return {name: p.detach() for name, p in self.model.named_parameters()}
+        """The model's (bf16) weights under their HF names: what is synced and checkpointed.
+
+        Sharded, the full weights are gathered one parameter at a time (a collective) and rounded to bf16
+        on this rank's device: the rollout payload and the sync requantize them on the GPU as unsharded."""
+        if not self.sharded:
+            return {name: p.detach() for name, p in self.model.named_parameters()}
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                out[name] = full.to(torch.bfloat16)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: fp32 masters, AdamW state, schedule position, step count."""
+        """Everything a resumed run needs: fp32 masters, AdamW state, schedule position, step count.
+
+        The same layout sharded or not (full tensors; sharded, gathered by every rank), so either resumes
+        the other."""
+        masters, optim_state = self.optimizer.full_state()
         return {
-            "masters": [m.detach().clone() for m in self.optimizer.master],
-            "optimizer": self.optimizer.optimizer.state_dict(),
+            "masters": masters,
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "step_count": self.step_count,
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        masters = state["masters"]
-        if len(masters) != len(self.optimizer.master):
-            raise ValueError(f"trainer state has {len(masters)} master tensors, the model {len(self.optimizer.master)}")
-        for m, p, saved in zip(self.optimizer.master, self.optimizer.params, masters, strict=True):
-            m.copy_(saved)
-            p.copy_(saved)
-        self.optimizer.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_full_state(state["masters"], state["optimizer"])
+        self._weights_changed()
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step_count"])
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Save an HF checkpoint (bf16); FP8 linears are plain ``nn.Linear`` subclasses with the same names."""
-        self.model.save_pretrained(path)
+        """Save an HF checkpoint (bf16); FP8 linears are plain ``nn.Linear`` subclasses with the same names.
+
+        Sharded: every rank gathers; only rank 0 writes."""
+        if not self.sharded:
+            self.model.save_pretrained(path)
+            return
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        weights = {k: v.cpu().contiguous() for k, v in self.hf_state_dict().items()}
+        if dist.get_rank() == 0:  # the files save_pretrained writes for one shard; tied weights are named once
+            os.makedirs(path, exist_ok=True)
+            self.model.config.save_pretrained(path)
+            if self.model.generation_config is not None:
+                self.model.generation_config.save_pretrained(path)
+            save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
     def save_checkpoint(
         self, dst: str | os.PathLike[str], tokenizer: PreTrainedTokenizerBase, overwrite: bool = True
     ) -> None:
         """The policy and its tokenizer as one loadable HF directory, written atomically."""
+        if self.sharded:
+            import torch.distributed as dist
+
+            if dist.get_rank() != 0:
+                self.save(dst)  # its part of the gathers; rank 0 writes
+                return
         with atomic_directory(dst, overwrite=overwrite) as tmp:
             self.save(tmp)
             tokenizer.save_pretrained(tmp)

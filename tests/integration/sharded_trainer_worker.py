@@ -1,0 +1,101 @@
+"""One rank of ``test_sharded_trainer.py``: run under ``torch.distributed.run`` (gloo on CPU).
+
+Every rank builds a ``TorchTrainer`` with ``sharding="fsdp"`` over the default process group,
+takes its contiguous rows of one fixed batch (uneven on purpose: rank 0 runs two
+micro-batches, rank 1 one with no loss tokens, then a padding one), runs policy steps, and
+rank 0 writes what the test compares with the one-process replicated trainer: per-step
+metrics summed over ranks, logprobs, the gathered weights, the full trainer state, and a saved
+checkpoint.  With ``--resume STATE`` it first loads a (replicated) trainer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fp8rl.rl import PolicyLossConfig
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch, policy_batch_totals
+
+ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20
+
+
+def fixed_batch() -> tuple[SequenceBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """10 rows of prompts + responses, advantages, old logprobs and a loss mask (rows 8-9 masked out)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (PROMPT - i % 3,), generator=g).tolist() for i in range(ROWS)]
+    responses = torch.randint(3, VOCAB, (ROWS, RESPONSE), generator=g)
+    mask = torch.ones(ROWS, RESPONSE)
+    mask[1, 4:] = 0
+    batch = build_batch(prompts, responses, mask, pad_id=0)
+    advantages = torch.randn(ROWS, generator=g)
+    old = -torch.rand(ROWS, RESPONSE, generator=g) * 3
+    loss_mask = mask.clone()
+    loss_mask[8:] = 0  # the only micro-batch of rank 1 (rows 8-9): no loss tokens
+    return batch, advantages, old, loss_mask
+
+
+def rank_rows(rank: int, world: int) -> slice:
+    # world 2: rank 0 runs rows 0-3 and 4-7, rank 1 rows 8-9: the micro-batches of one process taking all 10
+    # rows 4 at a time (FP8's wgrad quantizes along the tokens, so its gradient depends on the micro-batches)
+    return slice(0, 8) if rank == 0 else slice(8, ROWS)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = TrainerOptions(
+        precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp",
+        activation_checkpointing=args.activation_checkpointing,
+    )  # fmt: skip
+    trainer = TorchTrainer(args.model, opts)
+    if args.resume:
+        trainer.load_state_dict(torch.load(args.resume, weights_only=False))
+    batch, adv, old, mask = fixed_batch()
+    rows = rank_rows(rank, world)
+    totals = policy_batch_totals(mask)
+    history = []
+    for _ in range(args.steps):
+        m = trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], PolicyLossConfig(), 1.0,
+                                totals=totals)  # fmt: skip
+        parts: list[dict[str, float] | None] = [None] * world
+        dist.all_gather_object(parts, m)
+        summed = {k: sum(p.get(k, 0.0) for p in parts if p) for k in m}
+        summed["grad_norm"], summed["lr"] = m["grad_norm"], m["lr"]
+        history.append(summed)
+    lp_parts: list[torch.Tensor | None] = [None] * world
+    dist.all_gather_object(lp_parts, trainer.compute_logprobs(batch.slice(rows), 1.0))
+    from torch.distributed.tensor import DTensor
+
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trainer.model.parameters())
+    state_local = sum(
+        v.to_local().numel() for s in trainer.optimizer.optimizer.state.values() for v in s.values()
+        if isinstance(v, DTensor)
+    )  # fmt: skip
+    sizes: list[tuple[int, int] | None] = [None] * world
+    dist.all_gather_object(sizes, (local, state_local))
+    weights = {k: v.cpu() for k, v in trainer.hf_state_dict().items()}
+    state = trainer.state_dict()
+    out = Path(args.out)
+    trainer.save(out / "policy")
+    if rank == 0:
+        torch.save(
+            {"history": history, "logprobs": torch.cat([t for t in lp_parts if t is not None]), "weights": weights,
+             "state": state, "local_sizes": sizes},
+            out / "result.pt",
+        )  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
