@@ -109,6 +109,8 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_tokens: int = Field(8, ge=1)
+    # benchmarks: generate max_tokens for every response (the rewards still score what was generated)
+    ignore_eos: bool = False
 
 
 class OptimConfig(_Strict):
@@ -120,6 +122,9 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
     micro_batch_size: int = Field(64, ge=1)
+    # set: cut micro-batches by padded tokens (rows x width, padding columns common to all rows dropped)
+    # instead of micro_batch_size rows: what keeps long responses within memory
+    micro_batch_tokens: int | None = Field(None, ge=1)
     # recompute each decoder layer's activations in the backward instead of keeping them (long responses)
     activation_checkpointing: bool = False
 

@@ -171,6 +171,7 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         schedule=o.schedule,
         total_steps=cfg.steps,
         micro_batch_size=o.micro_batch_size,
+        micro_batch_tokens=o.micro_batch_tokens,
         sharding=cfg.ray.trainer_sharding if cfg.ray is not None else "replicate",
         activation_checkpointing=o.activation_checkpointing,
     )
@@ -273,6 +274,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         top_k=cfg.sampling.top_k,
         max_tokens=cfg.sampling.max_tokens,
         seed=cfg.seed * 1_000_003 + step,
+        ignore_eos=cfg.sampling.ignore_eos,
     )
     rollout = engine.generate(prompts, sampling)
     t1 = time.perf_counter()
@@ -289,6 +291,8 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
     weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, correction_config(cfg))
     train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, loss_config(cfg), temperature)
+    computed, valid = train_m.pop("tokens_computed", 0.0), train_m.pop("tokens_valid", 0.0)
+    train_m["padding_waste"] = 1.0 - valid / computed if computed else 0.0  # of the tokens the forwards ran
     t3 = time.perf_counter()
     stats = parts.push_weights(step)
     kv = parts.calibrate_kv(batch)  # FP8 KV cache: scales for the new weights, from the trainer's activations

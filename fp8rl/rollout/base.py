@@ -21,6 +21,7 @@ class SamplingParams:
     top_k: int = 0
     max_tokens: int = 8
     seed: int = 0
+    ignore_eos: bool = False  # benchmarks: every response runs to max_tokens
 
 
 @dataclass

@@ -137,6 +137,12 @@ class TorchRolloutEngine:
             raise ValueError("generate needs at least one non-empty prompt")
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         width = max(len(p) for p in prompt_ids)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and width + sampling.max_tokens > limit:
+            raise ValueError(
+                f"sampling.max_tokens {sampling.max_tokens} + the longest prompt ({width} tokens) exceed the model's "
+                f"max_position_embeddings {limit}"
+            )
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
         attn = torch.zeros((n, width), dtype=torch.long, device=self.device)
         for i, p in enumerate(prompt_ids):  # left padding
@@ -152,7 +158,7 @@ class TorchRolloutEngine:
 
         tokens, lps, alive = [], [], []
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
-        stop = torch.tensor(self.stop_token_ids, device=self.device)
+        stop = torch.tensor([] if sampling.ignore_eos else self.stop_token_ids, dtype=torch.long, device=self.device)
         for _ in range(sampling.max_tokens):
             token, lp = self._sample(logits.float(), sampling, gen)
             alive.append(~finished)

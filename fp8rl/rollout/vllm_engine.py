@@ -255,6 +255,7 @@ class VLLMRolloutEngine:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one non-empty prompt")
         v = self._vllm
+        ignore_eos = ignore_eos or sampling.ignore_eos
         params = [
             v.SamplingParams(
                 temperature=sampling.temperature,

@@ -52,6 +52,8 @@ class TrainerOptions:
     schedule: str = "constant"
     total_steps: int = 100
     micro_batch_size: int = 64
+    # set: micro-batches are cut by padded tokens (rows x their width) instead of micro_batch_size rows
+    micro_batch_tokens: int | None = None
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
 
@@ -71,6 +73,26 @@ class SequenceBatch:
         return SequenceBatch(
             self.input_ids[s], self.attention_mask[s], self.position_ids[s], self.response_mask[s], self.prompt_width
         )
+
+    def extents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: prompt tokens (left of ``prompt_width``) and response columns up to its last valid token."""
+        p = self.prompt_width
+        prompt = self.attention_mask[:, :p].sum(-1)
+        cols = torch.arange(1, self.response_mask.shape[1] + 1)
+        response = (self.response_mask.bool() * cols).amax(-1) if self.response_mask.numel() else prompt * 0
+        return prompt, response
+
+    def trimmed(self) -> SequenceBatch:
+        """The same rows without the columns that are padding in every row (left of the longest prompt, right
+        of the longest response; at least one response column): what a micro-batch's forward computes."""
+        prompt, response = self.extents()
+        left = self.prompt_width - int(prompt.max()) if len(prompt) else 0
+        right = self.prompt_width + max(int(response.max()) if len(response) else 0, 1)
+        cols = slice(left, right)
+        return SequenceBatch(
+            self.input_ids[:, cols], self.attention_mask[:, cols], self.position_ids[:, cols],
+            self.response_mask[:, : right - self.prompt_width], self.prompt_width - left,
+        )  # fmt: skip
 
 
 def build_batch(
@@ -128,6 +150,7 @@ class TorchTrainer:
         )
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         self.step_count = 0
+        self._tokens = [0.0, 0.0]  # (computed, valid) tokens of the current policy step's forwards
 
     def _shard(self) -> None:
         """FSDP2 over the default process group: every decoder layer a unit, the rest in the root unit."""
@@ -156,11 +179,27 @@ class TorchTrainer:
             if isinstance(m, FP8TrainLinear):
                 m.weights_changed()
 
-    def _micro_batches(self, n: int) -> list[slice]:
-        """This rank's micro-batches; sharded, every rank runs as many (the collectives pair up), padding with
-        empty ones that run a one-row forward (and backward) that counts for nothing."""
-        count = -(-n // self.opts.micro_batch_size)
-        slices = [slice(s, s + self.opts.micro_batch_size) for s in range(0, n, self.opts.micro_batch_size)]
+    def _micro_batches(self, batch: SequenceBatch) -> list[slice]:
+        """This rank's micro-batches: ``micro_batch_size`` rows, or with ``micro_batch_tokens`` as many consecutive
+        rows as fit that many padded tokens (at least one row).  Sharded, every rank runs as many (the
+        collectives pair up), padding with empty ones that run a one-row forward (and backward) that counts for
+        nothing."""
+        n = batch.input_ids.shape[0]
+        budget = self.opts.micro_batch_tokens
+        if budget is None:
+            slices = [slice(s, s + self.opts.micro_batch_size) for s in range(0, n, self.opts.micro_batch_size)]
+        else:
+            prompt, response = batch.extents()
+            slices, start, width_p, width_r = [], 0, 0, 0
+            for i in range(n):
+                wp, wr = max(width_p, int(prompt[i])), max(width_r, int(response[i]), 1)
+                if i > start and (i - start + 1) * (wp + wr) > budget:
+                    slices.append(slice(start, i))
+                    start, wp, wr = i, int(prompt[i]), max(int(response[i]), 1)
+                width_p, width_r = wp, wr
+            if n:
+                slices.append(slice(start, n))
+        count = len(slices)
         if self.sharded:
             import torch.distributed as dist
 
@@ -198,8 +237,15 @@ class TorchTrainer:
         return self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
     # ---- forward -------------------------------------------------------------------------------------
-    def _response_logprobs(self, b: SequenceBatch, temperature: float) -> torch.Tensor:
-        """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad)."""
+    def _response_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+        """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad).
+
+        The forward runs on the micro-batch's columns that are not padding in every row; the logprobs are
+        zero-padded back to ``T``.  Counts the tokens computed and the valid ones (``tokens_computed``)."""
+        full_t = batch.response_mask.shape[1]
+        b = batch.trimmed()
+        self._tokens[0] += float(b.input_ids.numel())
+        self._tokens[1] += float(b.attention_mask.sum())
         ids = b.input_ids.to(self.device)
         logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
         t = ids.shape[1] - b.prompt_width
@@ -207,13 +253,14 @@ class TorchTrainer:
         if temperature > 0:
             pred = pred / temperature
         lp = pred.log_softmax(-1).gather(-1, ids[:, b.prompt_width :, None]).squeeze(-1)
-        return lp * b.response_mask.to(self.device)
+        lp = lp * b.response_mask.to(self.device)
+        return torch.nn.functional.pad(lp, (0, full_t - t)) if t < full_t else lp
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-        n, t = batch.response_mask.shape
+        t = batch.response_mask.shape[1]
         out = [torch.zeros(0, t)]
-        for sl in self._micro_batches(n):
+        for sl in self._micro_batches(batch):
             if sl.stop == 0:  # a sharded rank with fewer micro-batches: its part of the collectives only
                 self._response_logprobs(self._padding_batch(batch), temperature)
                 continue
@@ -242,13 +289,13 @@ class TorchTrainer:
         batch all ranks share, so its weighted loss and metrics are its exact part of the global
         ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
         """
-        n = batch.input_ids.shape[0]
         if totals is None:
             totals = policy_batch_totals(loss_mask)
         total_tokens, total_seqs = totals
         sums: dict[str, float] = {}
         loss_total = 0.0
-        for sl in self._micro_batches(n):
+        self._tokens = [0.0, 0.0]
+        for sl in self._micro_batches(batch):
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
                 if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
@@ -277,14 +324,17 @@ class TorchTrainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step_count += 1
-        return {**sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr)}
+        computed, valid = self._tokens
+        return {
+            **sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
+            "tokens_valid": valid,
+        }  # fmt: skip
 
     def sft_step(self, batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step of token-mean cross entropy on the response (answer) tokens."""
-        n = batch.input_ids.shape[0]
         total = float(batch.response_mask.sum().clamp(min=1))
         loss_total = 0.0
-        for sl in self._micro_batches(n):
+        for sl in self._micro_batches(batch):
             mb = batch.slice(sl) if sl.stop else self._padding_batch(batch)
             lp = self._response_logprobs(mb, temperature=1.0)
             loss = -(lp.sum()) / total
