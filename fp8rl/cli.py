@@ -259,6 +259,49 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_step(args: argparse.Namespace) -> int:
+    from fp8rl.bench.step import (
+        StepBench,
+        log_to_mlflow,
+        make_shape_model,
+        report,
+        run_metadata,
+        run_step_bench,
+        write_outputs,
+    )  # fmt: skip
+    from fp8rl.bench.throughput import resolve_device
+    from fp8rl.config import load_run_config_data
+
+    if (args.model is None) == (args.shape is None):
+        raise UserError("bench step: give exactly one of --model DIR or --shape NAME")
+    base = load_run_config_data(args.config) if args.config else {}
+    base.pop("recipe", None)
+    work = args.work_dir or base.get("work_dir", "work")
+    device = resolve_device(args.device)
+    bench = StepBench(
+        recipes=[r for r in args.recipes.split(",") if r], prompts=args.prompts, samples=args.samples,
+        max_tokens=args.max_tokens, steps=args.steps, warmup=args.warmup, device=device,
+        micro_batch_tokens=args.micro_batch_tokens,
+    )  # fmt: skip
+    if not bench.recipes:
+        raise UserError("--recipes: name at least one recipe")
+    if args.shape:
+        print(f"bench step: random {args.shape} weights -> {Path(work) / 'bench-models' / args.shape}", flush=True)
+        model = make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)
+    else:
+        model = Path(args.model)
+    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True))
+    doc, table = report(results, run_metadata(args.shape or str(model), bench, results))
+    out = Path(args.out or Path(work) / "bench-step")
+    files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md")
+    print(table)
+    print("wrote " + ", ".join(str(f) for f in files))
+    if not args.no_mlflow:
+        run_id = log_to_mlflow(results, doc, files, work, args.experiment)
+        print(f"MLflow comparison run {run_id} (experiment {args.experiment})")
+    return 0
+
+
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     from fp8rl.bench.kernels import main_with_args
 
@@ -326,6 +369,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kernel_bench_arguments(p)
     p.set_defaults(func=_cmd_bench_kernels)
+    p = bench.add_parser("step", help="the end-to-end RL step per recipe: time breakdown, tokens/s, speedup vs bf16")
+    p.add_argument("--model", default=None, help="a checkpoint directory (or use --shape)")
+    p.add_argument(
+        "--shape", default=None, help="random weights of a shape: tiny | small | llama-1b | llama-3b | llama-8b"
+    )
+    p.add_argument("--recipes", default="bf16,fp8-rollout,fp8-e2e", help="comma-separated recipe names or files")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per response (EOS ignored)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per recipe")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per recipe before them")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer micro-batch size in padded tokens")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument(
+        "--out", default=None, help="directory for bench_step.json and bench_step.md (default WORK/bench-step)"
+    )
+    p.add_argument("--experiment", default="fp8rl-bench")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    p.set_defaults(func=_cmd_bench_step)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
     p.add_argument("--work-dir", default="work")

@@ -8,7 +8,10 @@ Each step reports, from its own ``time.perf_counter`` stamps:
 - rollout tokens/s = response tokens sampled / generate seconds;
 - train tokens/s = response tokens / (training-logprob + optimizer-step seconds);
 - sync seconds and bytes = requantize + load of the trainer's weights into the engine;
-- step seconds = the whole step.
+- step seconds = the whole step, and its parts: generate, logprob (the trainer's recompute),
+  train (the optimizer step), sync, and idle (the rest: rewards, advantages, bookkeeping);
+- padding waste = the share of the tokens the trainer's forwards ran that were padding;
+- peak GPU memory of this process (the one-process loop; on Ray the actors' memory is theirs).
 
 The result is the median over the timed steps of each (robust to one slow step). Response
 tokens are counted from the response mask, so a recipe whose policy stops earlier gets fewer
@@ -24,6 +27,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +42,10 @@ STEP_METRICS: dict[str, str] = {
     "sync/bytes": "sync_bytes",
     "time/step_s": "step_s",
     "response_length": "response_tokens",
+    "time/generate_s": "generate_s",
+    "time/logprob_s": "logprob_s",
+    "time/train_s": "train_s",
+    "train/padding_waste": "padding_waste",
 }
 
 
@@ -56,6 +64,16 @@ class ThroughputResult:
     sync_bytes: float
     step_s: float
     response_tokens: float  # mean response length (tokens) per sampled response
+    generate_s: float = 0.0
+    logprob_s: float = 0.0
+    train_s: float = 0.0
+    padding_waste: float = 0.0
+    peak_memory_gb: float | None = None  # this process's peak CUDA allocation (None: CPU, or Ray actors)
+
+    @property
+    def idle_s(self) -> float:
+        """The step's time outside generate, logprob, train and sync."""
+        return max(self.step_s - self.generate_s - self.logprob_s - self.train_s - self.sync_s, 0.0)
 
     def metrics(self, prefix: str = "bench/") -> dict[str, float]:
         """The numbers as MLflow/KFP metrics (``bench/rollout_tokens_per_s``, ...)."""
@@ -100,27 +118,51 @@ def benchmark_recipe(
     cfg = cfg.model_copy(update={"verify_sync": False})
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    parts = build_parts(cfg, model_dir, device)
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    parts: Any
+    if cfg.ray is not None:
+        from fp8rl.cluster.driver import create_ray_parts
+
+        parts = create_ray_parts(cfg, model_dir, log=log)
+    else:
+        parts = build_parts(cfg, model_dir, device)
     train_pool, _ = task_examples(cfg)
     timed: list[dict[str, float]] = []
-    for step in range(1, warmup_steps + steps + 1):
-        metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        phase = "warm-up" if step <= warmup_steps else "timed"
-        log(
-            f"[{cfg.recipe.name}] bench step {step}/{warmup_steps + steps} ({phase}): "
-            f"rollout {metrics['throughput/rollout_tokens_per_s']:.0f} tok/s, "
-            f"train {metrics['throughput/train_tokens_per_s']:.0f} tok/s, sync {metrics['time/sync_s']:.3f}s"
-        )
-        if step > warmup_steps:
-            timed.append(metrics)
-    medians = {field: statistics.median(m[key] for m in timed) for key, field in STEP_METRICS.items()}
+    try:
+        for step in range(1, warmup_steps + steps + 1):
+            metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
+            if cuda:
+                torch.cuda.synchronize()
+            phase = "warm-up" if step <= warmup_steps else "timed"
+            log(
+                f"[{cfg.recipe.name}] bench step {step}/{warmup_steps + steps} ({phase}): "
+                f"step {metrics['time/step_s']:.2f}s (generate {metrics['time/generate_s']:.2f}, "
+                f"logprob {metrics['time/logprob_s']:.2f}, train {metrics['time/train_s']:.2f}, "
+                f"sync {metrics['time/sync_s']:.3f}), rollout {metrics['throughput/rollout_tokens_per_s']:.0f} tok/s, "
+                f"train {metrics['throughput/train_tokens_per_s']:.0f} tok/s"
+            )
+            if step > warmup_steps:
+                timed.append(metrics)
+    finally:
+        _close(parts)
+    medians = {field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
     return ThroughputResult(
         recipe=cfg.recipe.name,
         device=device,
         device_name=device_name(device),
         steps=steps,
         warmup_steps=warmup_steps,
+        peak_memory_gb=peak,
         **medians,
     )
+
+
+def _close(parts: Any) -> None:
+    """Give the engines' and actors' resources back (a vLLM engine holds most of the GPU until closed)."""
+    if hasattr(parts, "shutdown"):
+        parts.shutdown()
+    elif hasattr(parts.engine, "close"):
+        parts.engine.close()

@@ -155,3 +155,41 @@ def test_markdown_table_escapes_and_marks_nan() -> None:
 def test_throughput_result_round_trips() -> None:
     r = ThroughputResult("bf16", "cpu", "CPU", 3, 1, 10.0, 5.0, 0.1, 100.0, 1.0, 4.0)
     assert r.to_dict()["rollout_tokens_per_s"] == 10.0 and r.metrics()["bench/sync_bytes"] == 100.0
+
+
+def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fp8rl bench step`` on random tiny weights: every recipe's real steps with responses run to max_tokens,
+    the breakdown adds up, speedups are against the bf16 of the same run, JSON + Markdown + MLflow comparison."""
+    import json
+
+    from fp8rl.cli import main
+
+    work = tmp_path / "work"
+    argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16,fp8-e2e", "--prompts", "2", "--samples", "2",
+            "--max-tokens", "24", "--steps", "2", "--warmup", "1", "--device", "cpu", "--work-dir", str(work)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((work / "bench-step" / "bench_step.json").read_text())
+    by = {r["recipe"]: r for r in doc["results"]}
+    assert list(by) == ["bf16", "fp8-e2e"] and doc["meta"]["max_tokens"] == 24
+    for r in by.values():
+        assert r["response_tokens"] == 24  # EOS ignored: every response runs to max_tokens
+        parts = r["generate_s"] + r["logprob_s"] + r["train_s"] + r["sync_s"]
+        assert 0 < parts <= r["step_s"] * 1.5 and r["idle_s"] >= 0
+        assert r["steps"] == 2 and r["warmup_steps"] == 1 and r["peak_memory_gb"] is None  # CPU
+    assert by["bf16"]["speedup_vs_bf16"] == {"step": 1.0, "rollout": 1.0, "train": 1.0}
+    up = by["fp8-e2e"]["speedup_vs_bf16"]
+    assert up["step"] == pytest.approx(by["bf16"]["step_s"] / by["fp8-e2e"]["step_s"])
+    table = (work / "bench-step" / "bench_step.md").read_text()
+    assert "| fp8-e2e |" in table and f"{up['step']:.2f}x" in table
+    assert "MLflow comparison run" in capsys.readouterr().out
+    client = MlflowClient(tracking_uri=configure_mlflow(work))
+    (exp,) = [e for e in client.search_experiments() if e.name == "fp8rl-bench"]
+    runs = client.search_runs([exp.experiment_id])
+    children = {r.data.tags.get("recipe"): r for r in runs if r.data.tags.get("mlflow.parentRunId")}
+    assert set(children) == {"bf16", "fp8-e2e"}
+    assert children["fp8-e2e"].data.metrics["bench/speedup_step"] == pytest.approx(up["step"])
+    # the shape's checkpoint is reused by the next run; a bad shape or both model sources are clear errors
+    assert main(["bench", "step", "--shape", "huge", "--work-dir", str(work), "--no-mlflow"]) == 2
+    assert main(["bench", "step", "--work-dir", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert "--shape: unknown model shape 'huge'" in err and "exactly one of --model DIR or --shape NAME" in err

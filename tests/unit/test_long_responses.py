@@ -3,6 +3,7 @@ thousands of tokens through the torch engine and the trainer, and the padding wa
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -41,8 +42,8 @@ def test_trimmed_micro_batches_compute_what_the_padded_batch_computes(tiny_model
     assert trimmed.prompt_width == int(prompt.max()) and trimmed.response_mask.shape[1] == int(response.max())
     trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(micro_batch_tokens=120))
     slices = trainer._micro_batches(batch)
-    assert [s.start for s in slices][0] == 0 and slices[-1].stop == 12
-    assert all(a.stop == b.start for a, b in zip(slices, slices[1:], strict=False))
+    assert slices[0].start == 0 and slices[-1].stop == 12
+    assert all(a.stop == b.start for a, b in itertools.pairwise(slices))
     for s in slices:  # each within the budget, or a single row that alone exceeds it
         t = batch.slice(s).trimmed()
         assert t.input_ids.numel() <= 120 or s.stop - s.start == 1

@@ -1,0 +1,231 @@
+"""``fp8rl bench step``: the end-to-end RL step of each precision recipe at a given model shape.
+
+What FP8 RL is for is a faster RL step at the same learning; this measures the step.  For one
+model (a checkpoint, or random weights of a named shape: speed does not depend on the values)
+it runs, per recipe and in one process after another, ``warmup`` untimed and ``steps`` timed RL
+steps of the real loop (``fp8rl.bench.throughput.benchmark_recipe``: rollout, the trainer's
+logprobs, the optimizer step, the requantized weight sync), with every response generated to
+``max_tokens`` (EOS ignored: the same work for every recipe), and reports per recipe the median
+step time and its breakdown (generate, logprob, train, sync, idle), rollout and train tokens/s,
+padding waste, peak GPU memory of the process, and each recipe's speedup over ``bf16`` measured
+in the same run.  The result is written as JSON and Markdown and, unless turned off, logged to
+MLflow as a comparison (a parent run with one child run per recipe, the table as an artifact).
+
+Everything a run config can say applies (``--config``): the rollout engine (torch or vLLM), the
+trainer (torch or TE), Ray workers, layout and trainer sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl.atomic import atomic_directory, atomic_write_text
+from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe
+from fp8rl.config import RunConfig, load_recipe, parse_run_config
+from fp8rl.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int = 8192
+
+
+# Llama-family shapes (published configs' widths); random weights
+SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape(128, 384, 2, 2, 2, 128, 4096),
+    "small": ModelShape(256, 768, 4, 4, 2, 128, 4096),
+    "llama-1b": ModelShape(2048, 8192, 16, 32, 8, 128256),  # Llama-3.2-1B
+    "llama-3b": ModelShape(3072, 8192, 28, 24, 8, 128256),  # Llama-3.2-3B
+    "llama-8b": ModelShape(4096, 14336, 32, 32, 8, 128256),  # Llama-3.1-8B
+}
+
+
+def make_shape_model(shape: str, dst: str | os.PathLike[str], device: str = "cpu", seed: int = 0) -> Path:
+    """A bf16 Llama checkpoint of ``shape`` with random weights and the char tokenizer, at ``dst``.
+
+    Reused when ``dst`` already holds that shape (an 8B model takes ~16 GB and a minute to write)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fp8rl.models.tiny import pin_tokenizer_class
+    from fp8rl.models.tokenizer import make_char_tokenizer
+
+    if shape not in SHAPES:
+        raise UserError(f"--shape: unknown model shape {shape!r}; expected one of {sorted(SHAPES)}")
+    s = SHAPES[shape]
+    dst = Path(dst)
+    marker = dst / "fp8rl_bench_shape.json"
+    if marker.is_file() and json.loads(marker.read_text()) == {"shape": shape, "seed": seed}:
+        return dst
+    tok = make_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads, max_position_embeddings=s.max_position_embeddings,
+        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        initializer_range=0.02, dtype="bfloat16",
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
+    with atomic_directory(dst, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        pin_tokenizer_class(Path(tmp))
+        (Path(tmp) / "fp8rl_bench_shape.json").write_text(json.dumps({"shape": shape, "seed": seed}))
+    del model
+    return dst
+
+
+@dataclass(frozen=True)
+class StepBench:
+    """What ``fp8rl bench step`` runs."""
+
+    recipes: Sequence[str] = ("bf16", "fp8-rollout", "fp8-e2e")
+    prompts: int = 32
+    samples: int = 8
+    max_tokens: int = 1024
+    steps: int = 2
+    warmup: int = 1
+    device: str = "auto"
+    micro_batch_tokens: int | None = 16384
+
+
+def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: str) -> RunConfig:
+    """The run config of one recipe's timed steps: ``base`` (a run config's fields) with the bench's sizes."""
+    data = dict(base)
+    data["recipe"] = load_recipe(recipe)
+    data["grpo"] = {**data.get("grpo", {}), "prompts_per_step": bench.prompts, "group_size": bench.samples}
+    data["sampling"] = {**data.get("sampling", {}), "max_tokens": bench.max_tokens, "ignore_eos": True}
+    optim = dict(data.get("optim", {}))
+    if bench.micro_batch_tokens is not None:
+        optim.setdefault("micro_batch_tokens", bench.micro_batch_tokens)
+    data["optim"] = optim
+    data.setdefault("work_dir", work_dir)
+    return parse_run_config(data, f"bench step ({recipe})")
+
+
+def run_step_bench(
+    model_dir: str | Path, bench: StepBench, base: dict[str, Any], work_dir: str,
+    log: Callable[[str], None] = print,
+) -> list[ThroughputResult]:  # fmt: skip
+    results = []
+    for i, recipe in enumerate(bench.recipes, start=1):
+        cfg = step_config(base, recipe, bench, work_dir)
+        log(f"bench step: recipe {i}/{len(bench.recipes)} {recipe}")
+        results.append(benchmark_recipe(cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def speedups(results: Sequence[ThroughputResult], baseline: str = "bf16") -> dict[str, dict[str, float]]:
+    """Per recipe: step, rollout and train speedup over ``baseline`` from the same run (empty without it)."""
+    base = next((r for r in results if r.recipe == baseline), None)
+    if base is None:
+        return {}
+    return {
+        r.recipe: {
+            "step": base.step_s / r.step_s,
+            "rollout": r.rollout_tokens_per_s / base.rollout_tokens_per_s,
+            "train": r.train_tokens_per_s / base.train_tokens_per_s,
+        }
+        for r in results
+    }
+
+
+def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The JSON document and the Markdown table of a step benchmark."""
+    ups = speedups(results)
+    doc = {
+        "meta": meta,
+        "results": [{**r.to_dict(), "idle_s": r.idle_s, "speedup_vs_bf16": ups.get(r.recipe)} for r in results],
+    }
+    lines = [
+        f"RL step benchmark: {meta.get('model')} on {meta.get('device_name')}, {meta.get('prompts')} prompts x "
+        f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens, median of {meta.get('steps')} steps "
+        f"after {meta.get('warmup')} warm-up",
+        "",
+        "| recipe | step s | vs bf16 | generate s | logprob s | train s | sync s | idle s | rollout tok/s | "
+        "vs bf16 | train tok/s | vs bf16 | padding | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        up = ups.get(r.recipe, {})
+
+        def x(key: str, up: dict[str, float] = up) -> str:
+            return f"{up[key]:.2f}x" if key in up else "-"
+
+        peak = f"{r.peak_memory_gb:.1f}" if r.peak_memory_gb is not None else "-"
+        lines.append(
+            f"| {r.recipe} | {r.step_s:.2f} | {x('step')} | {r.generate_s:.2f} | {r.logprob_s:.2f} | {r.train_s:.2f} "
+            f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
+            f"{r.train_tokens_per_s:,.0f} | {x('train')} | {r.padding_waste:.1%} | {peak} |"
+        )
+    return doc, "\n".join(lines) + "\n"
+
+
+def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResult]) -> dict[str, Any]:
+    import transformers
+
+    meta: dict[str, Any] = {
+        "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
+        "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes),
+        "device_name": results[0].device_name if results else None, "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+    }  # fmt: skip
+    for name in ("vllm", "transformer_engine"):
+        try:
+            meta[name] = __import__(name).__version__
+        except Exception:
+            meta[name] = None
+    return meta
+
+
+def log_to_mlflow(
+    results: Sequence[ThroughputResult], doc: dict[str, Any], files: Sequence[Path], work_dir: str, experiment: str
+) -> str:
+    """A parent run ``bench-step`` with the files as artifacts, one child run per recipe with its numbers."""
+    from fp8rl.tracking.mlflow_sink import MlflowSink, recipe_tags
+
+    meta = doc["meta"]
+    with MlflowSink(experiment, f"bench-step {meta['model']}", work_dir, tags={"fp8rl.bench": "step"}) as parent:
+        parent.log_params({k: v for k, v in meta.items() if v is not None and k != "recipes"})
+        for path in files:
+            parent.log_artifact(path)
+        ups = speedups(results)
+        for r in results:
+            tags = recipe_tags(r.recipe)
+            with MlflowSink(experiment, r.recipe, work_dir, parent_run_id=parent.run_id, tags=tags) as child:
+                child.log_params(tags)
+                metrics = {**r.metrics(), "bench/idle_s": r.idle_s}
+                if r.peak_memory_gb is not None:
+                    metrics["bench/peak_memory_gb"] = r.peak_memory_gb
+                metrics.update({f"bench/speedup_{k}": v for k, v in ups.get(r.recipe, {}).items()})
+                child.log_metrics(metrics, step=0)
+        return parent.run_id
+
+
+def write_outputs(doc: dict[str, Any], table: str, json_path: Path | None, md_path: Path | None) -> list[Path]:
+    written = []
+    if json_path is not None:
+        atomic_write_text(json_path, json.dumps(doc, indent=2) + "\n")
+        written.append(json_path)
+    if md_path is not None:
+        atomic_write_text(md_path, table)
+        written.append(md_path)
+    return written
