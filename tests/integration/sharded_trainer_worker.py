@@ -11,6 +11,7 @@ checkpoint.  With ``--resume STATE`` it first loads a (replicated) trainer state
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -40,6 +41,8 @@ def fixed_batch() -> tuple[SequenceBatch, torch.Tensor, torch.Tensor, torch.Tens
 def rank_rows(rank: int, world: int) -> slice:
     # world 2: rank 0 runs rows 0-3 and 4-7, rank 1 rows 8-9: the micro-batches of one process taking all 10
     # rows 4 at a time (FP8's wgrad quantizes along the tokens, so its gradient depends on the micro-batches)
+    if world == 1:
+        return slice(0, ROWS)
     return slice(0, 8) if rank == 0 else slice(8, ROWS)
 
 
@@ -51,14 +54,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = TrainerOptions(
         precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp",
         activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
-    trainer = TorchTrainer(args.model, opts)
+    trainer = TorchTrainer(args.model, opts, device=device)
     if args.resume:
         trainer.load_state_dict(torch.load(args.resume, weights_only=False))
     batch, adv, old, mask = fixed_batch()
