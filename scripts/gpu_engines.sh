@@ -103,7 +103,7 @@ print(import_gguf(g, Path('/tmp/models/smollm2-135m-instruct'), overwrite=True))
     [ -z "$carry" ] || bash "$carry/device_setup.sh" "$carry" || exit $?
     detach scale "python3 -m pytest -q -p no:cacheprovider -rs -s -m gpu tests/gpu/test_sharded_trainer_cuda.py 2>&1 | grep -E 'sharded vs|passed|failed|Error'; \
       for shape in ${SHAPES:-llama-1b}; do python3 -m fp8rl bench step --shape \$shape --config docs/configs/bench-vllm.yaml \
-        --prompts ${PROMPTS:-16} --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 8192 \
+        --prompts ${PROMPTS:-16} --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens ${MBT:-4096} \
         --work-dir /tmp/benchwork --out $RES/bench-\$shape --no-mlflow 2>&1 | grep -v 'it/s]' ; cp $RES/bench-\$shape/bench_step.json $RES/bench_step_\$shape.json; done"
     wait_current ;;
   poll)

@@ -251,7 +251,7 @@ class TorchTrainer:
         t = ids.shape[1] - b.prompt_width
         pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + t, :].float()
         if temperature > 0:
-            pred = pred / temperature
+            pred.div_(temperature)  # in place: one [n, t, vocab] fp32 copy fewer (the cast keeps no input)
         lp = pred.log_softmax(-1).gather(-1, ids[:, b.prompt_width :, None]).squeeze(-1)
         lp = lp * b.response_mask.to(self.device)
         return torch.nn.functional.pad(lp, (0, full_t - t)) if t < full_t else lp
