@@ -290,7 +290,8 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
         model = make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)
     else:
         model = Path(args.model)
-    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True))
+    isolate = not args.one_process and len(bench.recipes) > 1
+    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate)
     doc, table = report(results, run_metadata(args.shape or str(model), bench, results))
     out = Path(args.out or Path(work) / "bench-step")
     files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md")
@@ -389,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", default="fp8rl-bench")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    p.add_argument(
+        "--one-process", action="store_true",
+        help="run every recipe in this process (default: one process per recipe; vLLM starts once per process)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_bench_step)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")

@@ -121,16 +121,55 @@ def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: s
 
 def run_step_bench(
     model_dir: str | Path, bench: StepBench, base: dict[str, Any], work_dir: str,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, isolate: bool = False,
 ) -> list[ThroughputResult]:  # fmt: skip
+    """Each recipe's timed steps, one after another; ``isolate`` runs each in a process of its own (vLLM 0.26
+    cannot start a second engine in a process whose first one it closed: its CUDA-graph memory pool asserts)."""
     results = []
     for i, recipe in enumerate(bench.recipes, start=1):
         cfg = step_config(base, recipe, bench, work_dir)
-        log(f"bench step: recipe {i}/{len(bench.recipes)} {recipe}")
+        log(f"bench step: recipe {i}/{len(bench.recipes)} {recipe}" + (" (own process)" if isolate else ""))
+        if isolate:
+            results.append(_in_subprocess(cfg, model_dir, bench, log))
+            continue
         results.append(benchmark_recipe(cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
+
+
+def _in_subprocess(
+    cfg: RunConfig, model_dir: str | Path, bench: StepBench, log: Callable[[str], None]
+) -> ThroughputResult:
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path, out_path = Path(tmp) / "run.json", Path(tmp) / "result.json"
+        cfg_path.write_text(cfg.model_dump_json())
+        cmd = [sys.executable, "-m", "fp8rl.bench.step", str(cfg_path), str(model_dir), bench.device,
+               str(bench.steps), str(bench.warmup), str(out_path)]  # fmt: skip
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            assert proc.stdout is not None
+            tail: list[str] = []
+            for line in proc.stdout:
+                tail = [*tail[-40:], line.rstrip()]
+                if line.startswith(f"[{cfg.recipe.name}] bench step"):
+                    log(line.rstrip())
+        if proc.returncode != 0 or not out_path.is_file():
+            raise RuntimeError(
+                f"bench step of recipe {cfg.recipe.name} failed (exit {proc.returncode}):\n" + "\n".join(tail)
+            )
+        return ThroughputResult(**json.loads(out_path.read_text()))
+
+
+def _subprocess_main(argv: Sequence[str]) -> None:
+    """``python -m fp8rl.bench.step RUN_JSON MODEL DEVICE STEPS WARMUP OUT_JSON``: one recipe, for ``isolate``."""
+    cfg_path, model_dir, device, steps, warmup, out = argv
+    cfg = RunConfig.model_validate_json(Path(cfg_path).read_text())
+    result = benchmark_recipe(cfg, model_dir, device, int(steps), int(warmup), log=lambda line: print(line, flush=True))
+    atomic_write_text(out, json.dumps(result.to_dict()))
 
 
 def speedups(results: Sequence[ThroughputResult], baseline: str = "bf16") -> dict[str, dict[str, float]]:
@@ -229,3 +268,9 @@ def write_outputs(doc: dict[str, Any], table: str, json_path: Path | None, md_pa
         atomic_write_text(md_path, table)
         written.append(md_path)
     return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    _subprocess_main(sys.argv[1:])
