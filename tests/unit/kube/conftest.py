@@ -1,10 +1,7 @@
 """Fixtures for the chart tests: real `helm template` renders, cached per session.
 
-The chart declares the kuberay-operator chart as an optional dependency. `helm template` and
-`helm lint` refuse a chart whose declared dependencies are not in charts/, and fetching one needs
-the network, so the tests render a staged copy whose Chart.yaml has no `dependencies` (everything
-else is the chart as committed); test_kube_chart_values.py checks the dependency itself with a
-stub subchart generated at test time.
+The chart has no dependencies, so it renders offline as committed; the renders use a staged copy of
+it (identical, a test checks) so that tests can write next to it.
 """
 
 from __future__ import annotations

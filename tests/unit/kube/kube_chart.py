@@ -6,8 +6,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "fp8rl"
 RELEASE = "rel"
@@ -34,15 +32,10 @@ class Render:
         return {d["metadata"]["name"] for d in self.kinds(kind)}
 
 
-def stage_chart(dest: Path, keep_dependencies: bool = False) -> Path:
-    """A copy of the chart; without `keep_dependencies`, Chart.yaml loses its `dependencies`."""
+def stage_chart(dest: Path) -> Path:
+    """A copy of the chart, for tests that write files next to it."""
     target = dest / "fp8rl"
     shutil.copytree(CHART, target)
-    if not keep_dependencies:
-        chart_yaml = target / "Chart.yaml"
-        meta = yaml.safe_load(chart_yaml.read_text())
-        meta.pop("dependencies", None)
-        chart_yaml.write_text(yaml.safe_dump(meta, sort_keys=False))
     return target
 
 

@@ -572,49 +572,23 @@ def test_notes_tell_how_to_submit_and_open_mlflow(notes) -> None:
 # --------------------------------------------------------------------------------------- kuberay-operator
 
 
-def test_kuberay_operator_dependency_declared_off_by_default() -> None:
+def test_chart_has_no_dependencies_and_installs_from_a_checkout_offline(helm, kube_version: str) -> None:
+    """The committed chart itself (not a staged copy) renders and lints with no network and no charts/ dir:
+    a declared dependency, even one switched off, makes Helm refuse it until `helm dependency update`."""
     meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    (dep,) = meta["dependencies"]
-    assert dep["name"] == "kuberay-operator" and dep["condition"] == "kuberay-operator.enabled"
-    assert dep["repository"].startswith("https://")
-    assert yaml.safe_load((CHART / "values.yaml").read_text())["kuberay-operator"] == {"enabled": False}
-    assert not (CHART / "charts").exists(), "vendor nothing: users run `helm dependency update`"
-
-
-@pytest.fixture(scope="module")
-def chart_with_stub_operator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The chart as committed (dependency declared) plus a stub kuberay-operator chart in charts/.
-
-    The stub has the declared name and version and renders one marker ConfigMap holding a value
-    passed down from the parent's `kuberay-operator:` block, so the test sees helm's real
-    condition and value-scoping behaviour without the network.
-    """
-    chart = stage_chart(tmp_path_factory.mktemp("with-dep"), keep_dependencies=True)
-    (dep,) = yaml.safe_load((chart / "Chart.yaml").read_text())["dependencies"]
-    stub = chart / "charts" / "kuberay-operator"
-    (stub / "templates").mkdir(parents=True)
-    (stub / "Chart.yaml").write_text(f"apiVersion: v2\nname: kuberay-operator\nversion: {dep['version']}\n")
-    (stub / "values.yaml").write_text("marker: stub-default\n")
-    (stub / "templates" / "marker.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: kuberay-operator-stub\n"
-        "data:\n  marker: {{ .Values.marker | quote }}\n"
-    )
-    return chart
-
-
-def test_kuberay_operator_dependency_toggles(helm, chart_with_stub_operator: Path, kube_version: str) -> None:
-    def names(*set_json: str) -> dict[str, dict]:
-        args = ["template", "rel", str(chart_with_stub_operator), "--kube-version", kube_version]
-        for s in set_json:
-            args += ["--set-json", s]
-        return {d["metadata"]["name"]: d for d in yaml.safe_load_all(helm(*args).stdout) if d}
-
-    assert "kuberay-operator-stub" not in names()
-    on = names('kuberay-operator={"enabled": true, "marker": "from-parent"}')
-    assert on["kuberay-operator-stub"]["data"]["marker"] == "from-parent"
-    assert "rel-fp8rl-ray" in on  # the rest of the chart is unchanged
-    lint = helm("lint", "--strict", "--kube-version", kube_version, str(chart_with_stub_operator)).stdout
+    assert "dependencies" not in meta
+    assert not (CHART / "charts").exists(), "vendor nothing"
+    docs = [
+        d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--kube-version", kube_version).stdout) if d
+    ]
+    assert any(d["kind"] == "RayCluster" for d in docs)
+    lint = helm("lint", "--strict", "--kube-version", kube_version, str(CHART)).stdout
     assert "0 chart(s) failed" in lint and "[WARNING]" not in lint, lint
+
+
+def test_a_leftover_kuberay_operator_block_is_refused(helm, staged_chart: Path, kube_version: str) -> None:
+    err = helm_fails(helm, staged_chart, kube_version, 'kuberay-operator={"enabled": true}')
+    assert "kuberay-operator" in err and "not allowed" in err, err
 
 
 def test_chart_has_no_other_differences_from_the_staged_copy(staged_chart: Path) -> None:
