@@ -99,12 +99,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: fp8rl
 {{- end }}
 
-{{/* Images: `[registry/]repository:tag`, tag defaulting to the chart's appVersion. */}}
+{{/* Images: `[registry/]repository@digest` when a digest is set, else `[registry/]repository:tag`, the tag
+defaulting to the chart's appVersion. */}}
 {{- define "fp8rl.image" -}}
 {{- $root := index . 0 }}{{- $image := index . 1 }}
 {{- $repo := $image.repository }}
 {{- if $root.Values.images.registry }}{{- $repo = printf "%s/%s" (trimSuffix "/" $root.Values.images.registry) $repo }}{{- end }}
+{{- if $image.digest }}
+{{- printf "%s@%s" $repo $image.digest }}
+{{- else }}
 {{- printf "%s:%s" $repo ($image.tag | default $root.Chart.AppVersion) }}
+{{- end }}
 {{- end }}
 
 {{- define "fp8rl.runtimeImage" -}}
@@ -117,7 +122,7 @@ app.kubernetes.io/part-of: fp8rl
 
 {{- define "fp8rl.mlflowImage" -}}
 {{- if .Values.mlflow.image.repository }}
-{{- include "fp8rl.image" (list . (dict "repository" .Values.mlflow.image.repository "tag" (.Values.mlflow.image.tag | default .Values.images.component.tag))) }}
+{{- include "fp8rl.image" (list . (dict "repository" .Values.mlflow.image.repository "tag" (.Values.mlflow.image.tag | default .Values.images.component.tag) "digest" .Values.mlflow.image.digest)) }}
 {{- else }}
 {{- include "fp8rl.componentImage" . }}
 {{- end }}

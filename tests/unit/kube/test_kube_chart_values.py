@@ -622,3 +622,39 @@ def test_every_value_is_documented() -> None:
         stack.append((indent, comment or inherited))
         comment = False
     assert not undocumented, "\n".join(undocumented)
+
+
+# --------------------------------------------------------------------------------------- digests, NetworkPolicy
+
+
+def test_images_by_digest_everywhere(render) -> None:
+    rendered = render(CHART / "ci" / "locked-down-values.yaml")
+    runtime = "registry.example.com/ml/fp8rl-runtime@sha256:" + "1" * 64
+    component = "registry.example.com/ml/fp8rl-component@sha256:" + "2" * 64
+    images = {c["image"] for doc in rendered.docs for _where, c in containers(doc) if "image" in c}
+    assert runtime in images and component in images
+    assert all("@sha256:" in image for image in images), images  # no tag left anywhere
+    assert rayjob_defaults(rendered)["image"] == runtime  # RayJobs the component creates get the digest too
+    assert mlflow_container(rendered)["image"] == component
+
+
+def test_a_malformed_digest_is_refused(helm, staged_chart: Path, kube_version: str) -> None:
+    err = helm_fails(helm, staged_chart, kube_version, 'images.runtime.digest="sha256:abc"')
+    assert "digest" in err and "sha256" in err, err
+
+
+def test_network_policies_admit_the_namespace_and_extra_peers_only(render) -> None:
+    assert not render().kinds("NetworkPolicy")  # off by default
+    rendered = render(CHART / "ci" / "locked-down-values.yaml")
+    mlflow = rendered.one("NetworkPolicy", "-mlflow")
+    head = rendered.one("NetworkPolicy", "-ray-head")
+    pod_labels = rendered.one("Deployment", "-mlflow")["spec"]["template"]["metadata"]["labels"]
+    assert mlflow["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    cluster = rendered.one("RayCluster")["metadata"]["name"]
+    assert head["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster, "ray.io/node-type": "head"}
+    for policy in (mlflow, head):
+        (rule,) = policy["spec"]["ingress"]
+        assert rule["from"][0] == {"podSelector": {}}  # every pod of the release namespace
+        assert rule["from"][1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ingress-nginx"}
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert mlflow["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": "http"}]
