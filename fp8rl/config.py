@@ -298,8 +298,6 @@ class RunConfig(_Strict):
             raise ValueError(
                 "recipe.kv_cache 'fp8' needs rollout.engine 'vllm' (the torch engine keeps a bf16 KV cache)"
             )
-        if self.recipe.kv_cache == "fp8" and self.ray is not None:
-            raise ValueError(KV_FP8_ON_RAY)
         if self.ray is not None and self.ray.trainer_sharding == "fsdp" and self.recipe.trainer == "te":
             raise ValueError(
                 "ray.trainer_sharding 'fsdp' shards the torch trainer only (recipe.trainer 'torch'); "
@@ -309,12 +307,6 @@ class RunConfig(_Strict):
         if problem:
             raise ValueError(problem)
         return self
-
-
-KV_FP8_ON_RAY = (
-    "recipe.kv_cache 'fp8' runs in the one-process loop only (ray: null): the Ray workers do not "
-    "recalibrate the KV-cache scales yet"
-)
 
 
 def vllm_recipe_problem(recipe: Recipe) -> str | None:

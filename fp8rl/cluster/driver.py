@@ -34,12 +34,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import KV_FP8_ON_RAY, ConfigError, RayConfig, RunConfig
+from fp8rl.config import RayConfig, RunConfig
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.rollout.kv_calibration import kv_scale_metrics
 from fp8rl.sync import SyncStats
 from fp8rl.tracking import MetricsSink
 from fp8rl.train.trainer import SequenceBatch, policy_batch_totals
@@ -235,9 +236,18 @@ class RayParts:
     fp8_names: list[str]
     # set when RayConfig.sync is "collective": what the broadcast carries, agreed once
     sync_layout: Any = None
+    kv_cache: str = "bf16"  # the recipe's; fp8: calibrate_kv recalibrates the engines' scales
 
     def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
-        return {}  # create_ray_parts refuses kv_cache fp8, so the engines' KV cache is bf16
+        """FP8 KV cache: scales from trainer rank 0's policy (every rank's forward when sharded), written into
+        every engine; ``kv/...`` metrics.  ``{}`` for a bf16 KV cache."""
+        if self.kv_cache != "fp8":
+            return {}
+        scales, seconds = self.trainer.lead("kv_scales", batch)
+        self.engine.wake_up()
+        self.engine.calls.get([a.set_kv_scales.remote(scales) for a in self.engine.actors], self.engine.names)
+        self.engine.sleep()
+        return kv_scale_metrics(scales, seconds)
 
     def push_weights(self, version: int) -> SyncStats:
         if self.sync_layout is not None:
@@ -379,8 +389,6 @@ def _names_of(role: str, count: int) -> list[str]:
 def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str], None] = print) -> RayParts:
     """Place the actors, set up the trainers' process group, and check the engines start in sync."""
     rc = cfg.ray or RayConfig()
-    if cfg.recipe.kv_cache == "fp8":  # RunConfig refuses it too; model_copy(update=...) skips that validation
-        raise ConfigError(KV_FP8_ON_RAY)
     calls = _Calls(rc.actor_timeout_s)
     where = _place(rc, calls)
     trainers, rollouts = _start_actors(cfg, model_dir, where, calls)
@@ -401,7 +409,7 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     )
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
-        fp8_names, layout,
+        fp8_names, layout, cfg.recipe.kv_cache,
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from fp8rl.config import parse_run_config
 from fp8rl.loop import build_engine, build_trainer, quant_spec
 from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout
 from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
@@ -175,6 +176,20 @@ class TrainerWorker:
         stats = self.collective.push(weights, version)
         return stats.bytes_sent, stats.requantize_seconds, stats.load_seconds
 
+    def kv_scales(self, batch: SequenceBatch) -> tuple[dict[int, KVScales], float] | None:
+        """FP8 KV-cache scales of this policy over ``batch`` and the seconds they took, from rank 0 (sharded,
+        every rank runs the forward)."""
+        if not (self.sharded or self.rank == 0):
+            return None
+        r = self.cfg.rollout
+        model = self.trainer.model
+        answer = timed_calibration(
+            model, batch.input_ids, batch.attention_mask, batch.position_ids, r.kv_scale_quantile, r.kv_scale_margin
+        )
+        if self.sharded:
+            model.reshard()  # the root unit stays gathered after a forward alone
+        return answer if self.rank == 0 else None
+
     def bf16_bytes(self) -> int:
         return sum(p.numel() * 2 for p in self.trainer.model.parameters())  # a DTensor's numel is the full one
 
@@ -240,6 +255,15 @@ class RolloutWorker:
         """Receive one broadcast push into the engine in place; the sender decides whether to verify."""
         stats = receive_into(self.engine, layout, version, device=self.engine.device, group=self.sync_group, src=0)
         return stats.bytes_sent
+
+    def set_kv_scales(self, scales: dict[int, KVScales]) -> None:
+        """The FP8 KV-cache scales the trainer calibrated (vLLM engine with ``kv_cache: fp8``)."""
+        set_scales = getattr(self.engine, "set_kv_scales", None)
+        if set_scales is None:
+            raise RuntimeError(
+                f"{type(self.engine).__name__} has no FP8 KV cache (kv_cache fp8 needs rollout.engine vllm)"
+            )
+        set_scales(scales)
 
     def policy_version(self) -> int:
         return self.engine.policy_version

@@ -227,3 +227,55 @@ def test_sharded_trainers_reproduce_the_single_process_run_and_resume_after_a_de
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-8)
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
         assert b["sync/bytes"] == a["sync/bytes"]
+
+
+def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engine(
+    local_ray: object, warm_model: Path, tmp_path: Path
+) -> None:
+    """kv_cache fp8 on Ray: trainer rank 0 (a real TrainerWorker actor) computes the scales from its policy and
+    the driver writes them into every rollout worker.  The rollout workers here are stand-ins that record what
+    they are given: the FP8 KV cache is vLLM's, and vLLM cannot run on a CPU."""
+    from fp8rl.cluster.driver import RayParts, RolloutGroup, TrainerGroup, _Calls
+    from fp8rl.cluster.workers import TrainerWorker
+    from fp8rl.loop import build_trainer, prompt_batch, task_examples
+    from fp8rl.models.loading import load_tokenizer
+    from fp8rl.rollout.kv_calibration import kv_scale_metrics, timed_calibration
+
+    @ray.remote
+    class RecordingEngine:  # stand-in for RolloutWorker around a vLLM engine
+        def __init__(self) -> None:
+            self.scales: object = None
+
+        def set_kv_scales(self, scales: object) -> None:
+            self.scales = scales
+
+        def wake_up(self) -> None: ...
+
+        def sleep(self) -> None: ...
+
+        def got(self) -> object:
+            return self.scales
+
+    recipe = load_recipe("fp8-e2e").model_copy(update={"kv_cache": "fp8"})
+    cfg = RunConfig.model_validate(
+        {**_cfg("fp8-e2e", RayConfig(trainer_workers=1), tmp_path).model_dump(), "recipe": recipe,
+         "rollout": {"engine": "vllm"}}
+    )  # fmt: skip
+    calls = _Calls(120.0)
+    trainer = ray.remote(TrainerWorker).remote(0, 1, "", cfg.model_dump(mode="json"), str(warm_model))
+    engines = [RecordingEngine.remote() for _ in range(2)]
+    group = TrainerGroup([trainer], calls, ["trainer-0"])
+    parts = RayParts(
+        load_tokenizer(warm_model), 0, RolloutGroup(engines, calls, False, 0, 0, ["rollout-0", "rollout-1"]), group,
+        str(warm_model), False, None, [], None, "fp8",
+    )  # fmt: skip
+    train_pool, _ = task_examples(cfg)
+    batch = prompt_batch(cfg, parts, train_pool[:8])
+    metrics = parts.calibrate_kv(batch)
+    model = build_trainer(cfg, warm_model, "cpu").model  # the policy under training numerics (FP8 linears)
+    expected, _s = timed_calibration(model, batch.input_ids, batch.attention_mask, batch.position_ids, 0.999, 1.1)
+    got = ray.get([e.got.remote() for e in engines])
+    assert got[0] == got[1] == expected  # the scales of the trainer's policy (the one-process loop's), everywhere
+    want = kv_scale_metrics(expected)
+    assert {k: v for k, v in metrics.items() if k != "kv/calibration_s"} == want and metrics["kv/calibration_s"] > 0
+    ray.kill(trainer)
