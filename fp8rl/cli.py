@@ -381,7 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens per response (EOS ignored)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per recipe")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per recipe before them")
-    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer micro-batch size in padded tokens")
+    p.add_argument(
+        "--micro-batch-tokens", type=int, default=None,
+        help="trainer micro-batch size in padded tokens (default: the config's optim.micro_batch_tokens, else 16384)",
+    )  # fmt: skip
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
     p.add_argument("--work-dir", default=None)

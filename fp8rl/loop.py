@@ -285,6 +285,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     rewards = torch.tensor(scored.rewards)
     adv = grpo_advantages(rewards, g, std_normalize=cfg.grpo.std_normalize, leave_one_out=cfg.grpo.leave_one_out)
     batch = build_batch(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, engine.pad_token_id)
+    t_scored = time.perf_counter()  # decode, rewards, advantages and the batch are the step's idle time
     old_lp = trainer.compute_logprobs(batch, temperature)
     t2 = time.perf_counter()
     mask = rollout.response_mask
@@ -311,12 +312,13 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "sync/bytes_vs_bf16": stats.bytes_sent / parts.bf16_bytes,
         "sync/policy_version": float(engine.policy_version),
         "time/generate_s": t1 - t0,
-        "time/logprob_s": t2 - t1,
+        "time/score_s": t_scored - t1,
+        "time/logprob_s": t2 - t_scored,
         "time/train_s": t3 - t2,
         "time/sync_s": t4 - t3,
         "time/step_s": t4 - t0,
         "throughput/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
-        "throughput/train_tokens_per_s": tokens / max(t3 - t1, 1e-9),
+        "throughput/train_tokens_per_s": tokens / max(t3 - t_scored, 1e-9),
     }
 
 

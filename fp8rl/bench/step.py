@@ -18,6 +18,7 @@ trainer (torch or TE), Ray workers, layout and trainer sharding.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -88,7 +89,13 @@ def make_shape_model(shape: str, dst: str | os.PathLike[str], device: str = "cpu
         pin_tokenizer_class(Path(tmp))
         (Path(tmp) / "fp8rl_bench_shape.json").write_text(json.dumps({"shape": shape, "seed": seed}))
     del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the recipes' engines need this memory back
     return dst
+
+
+# trainer micro-batches of the benchmark when neither the command line nor the config sets one
+DEFAULT_MICRO_BATCH_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,8 @@ class StepBench:
     steps: int = 2
     warmup: int = 1
     device: str = "auto"
-    micro_batch_tokens: int | None = 16384
+    # None: the config's optim.micro_batch_tokens, else DEFAULT_MICRO_BATCH_TOKENS
+    micro_batch_tokens: int | None = None
 
 
 def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: str) -> RunConfig:
@@ -112,8 +120,10 @@ def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: s
     data["grpo"] = {**data.get("grpo", {}), "prompts_per_step": bench.prompts, "group_size": bench.samples}
     data["sampling"] = {**data.get("sampling", {}), "max_tokens": bench.max_tokens, "ignore_eos": True}
     optim = dict(data.get("optim", {}))
-    if bench.micro_batch_tokens is not None:
-        optim.setdefault("micro_batch_tokens", bench.micro_batch_tokens)
+    if bench.micro_batch_tokens is not None:  # given on the command line: it wins over the config
+        optim["micro_batch_tokens"] = bench.micro_batch_tokens
+    elif optim.get("micro_batch_tokens") is None:
+        optim["micro_batch_tokens"] = DEFAULT_MICRO_BATCH_TOKENS
     data["optim"] = optim
     data.setdefault("work_dir", work_dir)
     return parse_run_config(data, f"bench step ({recipe})")
@@ -177,11 +187,15 @@ def speedups(results: Sequence[ThroughputResult], baseline: str = "bf16") -> dic
     base = next((r for r in results if r.recipe == baseline), None)
     if base is None:
         return {}
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else math.nan  # a zero (nothing measured) makes no speedup
+
     return {
         r.recipe: {
-            "step": base.step_s / r.step_s,
-            "rollout": r.rollout_tokens_per_s / base.rollout_tokens_per_s,
-            "train": r.train_tokens_per_s / base.train_tokens_per_s,
+            "step": ratio(base.step_s, r.step_s),
+            "rollout": ratio(r.rollout_tokens_per_s, base.rollout_tokens_per_s),
+            "train": ratio(r.train_tokens_per_s, base.train_tokens_per_s),
         }
         for r in results
     }

@@ -122,10 +122,16 @@ def benchmark_recipe(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     parts: Any
+    started_ray = False
     if cfg.ray is not None:
-        from fp8rl.cluster.driver import create_ray_parts
+        from fp8rl.cluster.driver import create_ray_parts, ensure_ray
 
-        parts = create_ray_parts(cfg, model_dir, log=log)
+        started_ray = ensure_ray(cfg.ray, cfg.ray.trainer_workers + cfg.ray.rollout_workers)
+        try:
+            parts = create_ray_parts(cfg, model_dir, log=log)
+        except BaseException:
+            _stop_ray(started_ray)
+            raise
     else:
         parts = build_parts(cfg, model_dir, device)
     train_pool, _ = task_examples(cfg)
@@ -146,7 +152,10 @@ def benchmark_recipe(
             if step > warmup_steps:
                 timed.append(metrics)
     finally:
-        _close(parts)
+        try:
+            _close(parts)
+        finally:
+            _stop_ray(started_ray)
     medians = {field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()}
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
     return ThroughputResult(
@@ -158,6 +167,14 @@ def benchmark_recipe(
         peak_memory_gb=peak,
         **medians,
     )
+
+
+def _stop_ray(started: bool) -> None:
+    """Shut down the local Ray this benchmark started (one it connected to stays up)."""
+    if started:
+        import ray
+
+        ray.shutdown()
 
 
 def _close(parts: Any) -> None:

@@ -37,7 +37,7 @@ from fp8rl.config import parse_run_config
 from fp8rl.loop import build_engine, build_trainer, quant_spec
 from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
-from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
+from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout
 from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
@@ -95,7 +95,7 @@ class TrainerWorker:
         sharded = self.cfg.ray is not None and self.cfg.ray.trainer_sharding == "fsdp"
         if world_size > 1 or sharded:
             if device.startswith("cuda"):
-                torch.cuda.set_device(torch.device(device))
+                torch.cuda.set_device(torch.device(device).index or 0)
             dist.init_process_group(
                 _backend(torch.device(device)),
                 init_method=init_method,
@@ -139,8 +139,8 @@ class TrainerWorker:
 
     def _full_weights(self) -> dict[str, torch.Tensor] | None:
         """The full bf16 weights on the rank that answers (0); sharded, every rank joins the gather."""
-        if self.sharded:
-            weights = self.trainer.hf_state_dict()
+        if self.sharded:  # every rank joins the gathers; only rank 0 keeps what they gather
+            weights = self.trainer.hf_state_dict(keep=self.rank == 0)
             return weights if self.rank == 0 else None
         return self.trainer.hf_state_dict() if self.rank == 0 else None
 
@@ -182,12 +182,7 @@ class TrainerWorker:
         if not (self.sharded or self.rank == 0):
             return None
         r = self.cfg.rollout
-        model = self.trainer.model
-        answer = timed_calibration(
-            model, batch.input_ids, batch.attention_mask, batch.position_ids, r.kv_scale_quantile, r.kv_scale_margin
-        )
-        if self.sharded:
-            model.reshard()  # the root unit stays gathered after a forward alone
+        answer = self.trainer.kv_scales(batch, r.kv_scale_quantile, r.kv_scale_margin)
         return answer if self.rank == 0 else None
 
     def bf16_bytes(self) -> int:

@@ -83,10 +83,13 @@ def _check_count(saved: list[torch.Tensor], own: list[Any]) -> None:
         raise ValueError(f"trainer state has {len(saved)} master tensors, the model {len(own)}")
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor, keep: bool = True) -> torch.Tensor:
+    """``t`` whole on the CPU (a DTensor is gathered: a collective); ``keep=False`` joins the gather and drops
+    the result (an empty tensor)."""
     from torch.distributed.tensor import DTensor
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+    whole = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    return whole.cpu().clone() if keep else torch.empty(0)
 
 
 def _shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -135,13 +138,22 @@ class ShardedAdamW:
         return value
 
     def full_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """(fp32 masters, AdamW state dict) as full CPU tensors; a collective: every rank calls it."""
+        """(fp32 masters, AdamW state dict) as full CPU tensors; a collective: every rank calls it.
+
+        Only rank 0 keeps the copies (the others get ``([], {"state": {}, ...})``): a rank that only joins
+        the gathers never holds the whole model's state in host memory."""
+        import torch.distributed as dist
+
+        keep = dist.get_rank() == 0
         state = self.optimizer.state_dict()
         full_state = {
-            i: {k: _full(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in s.items()}
+            i: {k: _full(v, keep) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in s.items()}
             for i, s in state["state"].items()
         }
-        return [_full(p) for p in self.params], {"state": full_state, "param_groups": state["param_groups"]}
+        masters = [_full(p, keep) for p in self.params]
+        if not keep:
+            return [], {"state": {}, "param_groups": state["param_groups"]}
+        return masters, {"state": full_state, "param_groups": state["param_groups"]}
 
     @torch.no_grad()
     def load_full_state(self, masters: list[torch.Tensor], optim_state: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ sums it.  Every rank must then make the same calls in the same order: forwards, 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from fp8rl.models.tiny import pin_tokenizer_class
 from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
+from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
 from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 
@@ -161,7 +163,7 @@ class TorchTrainer:
         if not dist.is_initialized():
             raise ValueError("trainer sharding 'fsdp' needs a process group (the Ray trainer workers make one)")
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device.index or 0)  # a bare "cuda" has no index; set_device needs one
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         with torch.no_grad():
             for p in self.model.parameters():  # bf16 -> fp32 is exact: the masters start where the weights are
@@ -215,6 +217,13 @@ class TorchTrainer:
         attn = torch.ones_like(ids)
         return SequenceBatch(ids, attn, (attn.cumsum(-1) - 1), torch.zeros(1, 1), w)
 
+    def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:
+        """A forward of ``_padding_batch``: every token it computes is waste (counted computed, not valid)."""
+        valid = self._tokens[1]
+        lp = self._response_logprobs(self._padding_batch(like), temperature)
+        self._tokens[1] = valid
+        return lp
+
     # ---- backend hooks (TETrainer overrides both) ------------------------------------------------------
     def _convert_linears(self) -> list[str]:
         """Swap the decoder linears the recipe puts in FP8 for ``FP8TrainLinear``; returns their names.
@@ -262,12 +271,32 @@ class TorchTrainer:
         out = [torch.zeros(0, t)]
         for sl in self._micro_batches(batch):
             if sl.stop == 0:  # a sharded rank with fewer micro-batches: its part of the collectives only
-                self._response_logprobs(self._padding_batch(batch), temperature)
+                self._padding_pass(batch, temperature)
                 continue
             out.append(self._response_logprobs(batch.slice(sl), temperature).cpu())
         if self.sharded:  # the root unit stays gathered after a forward with no backward: free it
             self.model.reshard()
         return torch.cat(out)
+
+    @torch.no_grad()
+    def kv_scales(self, batch: SequenceBatch, quantile: float, margin: float) -> tuple[dict[int, KVScales], float]:
+        """FP8 KV-cache scales of this policy over ``batch`` and the seconds they took.
+
+        Sharded, every rank must call it with the same batch (the decoder layers gather their shards).
+        """
+        if self.sharded:
+            # the calibration runs the decoder alone, past the root unit's pre-forward hook, so the root's
+            # parameters (embeddings, final norm) are gathered here; before the first forward the FSDP state
+            # is not initialised yet, and unshard() alone would gather nothing
+            self.model._get_fsdp_state()._lazy_init()
+            self.model.unshard()
+        try:
+            return timed_calibration(
+                self.model, batch.input_ids, batch.attention_mask, batch.position_ids, quantile, margin
+            )
+        finally:
+            if self.sharded:
+                self.model.reshard()
 
     # ---- updates -------------------------------------------------------------------------------------
     def policy_step(
@@ -299,7 +328,7 @@ class TorchTrainer:
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
                 if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
-                    self._response_logprobs(self._padding_batch(batch), temperature).sum().mul(0.0).backward()
+                    self._padding_pass(batch, temperature).sum().mul(0.0).backward()
                 continue
             lp = self._response_logprobs(batch.slice(sl), temperature)
             inp = PolicyLossInput(
@@ -332,11 +361,16 @@ class TorchTrainer:
 
     def sft_step(self, batch: SequenceBatch) -> dict[str, float]:
         """One optimizer step of token-mean cross entropy on the response (answer) tokens."""
-        total = float(batch.response_mask.sum().clamp(min=1))
+        count = batch.response_mask.sum().to(torch.float64)
+        if self.sharded:  # the mean is over every rank's tokens, as one process taking the whole batch
+            import torch.distributed as dist
+
+            count = count.to(self.device)
+            dist.all_reduce(count)
+        total = float(count.clamp(min=1))
         loss_total = 0.0
         for sl in self._micro_batches(batch):
-            mb = batch.slice(sl) if sl.stop else self._padding_batch(batch)
-            lp = self._response_logprobs(mb, temperature=1.0)
+            lp = self._response_logprobs(batch.slice(sl), 1.0) if sl.stop else self._padding_pass(batch, 1.0)
             loss = -(lp.sum()) / total
             loss.backward()
             self.optimizer.accumulate()
@@ -348,27 +382,31 @@ class TorchTrainer:
         return {"sft_loss": loss_total, "grad_norm": grad_norm}
 
     # ---- weights -------------------------------------------------------------------------------------
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """The model's (bf16) weights under their HF names: what is synced and checkpointed.
 
-        Sharded, the full weights are gathered one parameter at a time (a collective) and rounded to bf16
-        on this rank's device: the rollout payload and the sync requantize them on the GPU as unsharded."""
+        Sharded, the full weights are gathered one parameter at a time (a collective: every rank calls it)
+        and rounded to bf16 on this rank's device: the rollout payload and the sync requantize them on the
+        GPU as unsharded.  ``keep=False`` (the ranks that only join the gathers) drops each one at once and
+        returns ``{}``, so that rank never holds the whole model."""
         if not self.sharded:
-            return {name: p.detach() for name, p in self.model.named_parameters()}
+            return {name: p.detach() for name, p in self.model.named_parameters()} if keep else {}
+        return {name: w for name, w in self._gathered() if keep}
+
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter's full bf16 tensor on this device, one at a time (sharded: a collective each)."""
         from torch.distributed.tensor import DTensor
 
-        out = {}
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                out[name] = full.to(torch.bfloat16)
-        return out
+                yield name, full.to(torch.bfloat16)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: fp32 masters, AdamW state, schedule position, step count.
 
-        The same layout sharded or not (full tensors; sharded, gathered by every rank), so either resumes
-        the other."""
+        The same layout sharded or not (full tensors; sharded, gathered by every rank and kept by rank 0
+        alone: the others get empty masters and optimizer state), so either resumes the other."""
         masters, optim_state = self.optimizer.full_state()
         return {
             "masters": masters,
@@ -394,8 +432,9 @@ class TorchTrainer:
         import torch.distributed as dist
         from safetensors.torch import save_file
 
-        weights = {k: v.cpu().contiguous() for k, v in self.hf_state_dict().items()}
-        if dist.get_rank() == 0:  # the files save_pretrained writes for one shard; tied weights are named once
+        lead = dist.get_rank() == 0  # gathered one parameter at a time; only rank 0 keeps a (CPU) copy
+        weights = {k: v.cpu().contiguous() for k, v in self._gathered() if lead}
+        if lead:  # the files save_pretrained writes for one shard; tied weights are named once
             os.makedirs(path, exist_ok=True)
             self.model.config.save_pretrained(path)
             if self.model.generation_config is not None:

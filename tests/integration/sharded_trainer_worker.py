@@ -4,7 +4,7 @@ Every rank builds a ``TorchTrainer`` with ``sharding="fsdp"`` over the default p
 takes its contiguous rows of one fixed batch (uneven on purpose: rank 0 runs two
 micro-batches, rank 1 one with no loss tokens, then a padding one), runs policy steps, and
 rank 0 writes what the test compares with the one-process replicated trainer: per-step
-metrics summed over ranks, logprobs, the gathered weights, the full trainer state, and a saved
+metrics summed over ranks, FP8 KV-cache scales (before the first forward and after the steps), logprobs, the gathered weights, the full trainer state, and a saved
 checkpoint.  With ``--resume STATE`` it first loads a (replicated) trainer state.
 """
 
@@ -69,6 +69,8 @@ def main() -> None:
     batch, adv, old, mask = fixed_batch()
     rows = rank_rows(rank, world)
     totals = policy_batch_totals(mask)
+    # FP8 KV-cache scales before any forward (the FSDP state is not initialised yet) and after the steps
+    kv_before = trainer.kv_scales(batch, 0.999, 1.1)[0]
     history = []
     for _ in range(args.steps):
         m = trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], PolicyLossConfig(), 1.0,
@@ -78,6 +80,7 @@ def main() -> None:
         summed = {k: sum(p.get(k, 0.0) for p in parts if p) for k in m}
         summed["grad_norm"], summed["lr"] = m["grad_norm"], m["lr"]
         history.append(summed)
+    kv_after = trainer.kv_scales(batch, 0.999, 1.1)[0]
     lp_parts: list[torch.Tensor | None] = [None] * world
     dist.all_gather_object(lp_parts, trainer.compute_logprobs(batch.slice(rows), 1.0))
     from torch.distributed.tensor import DTensor
@@ -91,12 +94,16 @@ def main() -> None:
     dist.all_gather_object(sizes, (local, state_local))
     weights = {k: v.cpu() for k, v in trainer.hf_state_dict().items()}
     state = trainer.state_dict()
+    kept: list[tuple[int, int, int] | None] = [None] * world  # what each rank holds of the gathered state
+    mine = (len(state["masters"]), len(state["optimizer"]["state"]), len(trainer.hf_state_dict(keep=rank == 0)))
+    dist.all_gather_object(kept, mine)
     out = Path(args.out)
     trainer.save(out / "policy")
     if rank == 0:
         torch.save(
             {"history": history, "logprobs": torch.cat([t for t in lp_parts if t is not None]), "weights": weights,
-             "state": state, "local_sizes": sizes},
+             "state": state, "local_sizes": sizes, "kv_before": kv_before, "kv_after": kv_after,
+             "kept": kept},
             out / "result.pt",
         )  # fmt: skip
     dist.destroy_process_group()

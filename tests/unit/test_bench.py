@@ -193,3 +193,32 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     assert main(["bench", "step", "--work-dir", str(work)]) == 2
     err = capsys.readouterr().err
     assert "--shape: unknown model shape 'huge'" in err and "exactly one of --model DIR or --shape NAME" in err
+
+
+def test_reward_time_is_idle_not_logprob(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A slow user reward (0.5 s a response) lands in the step's idle time, not in the trainer's logprob time."""
+    (tmp_path / "slow_reward.py").write_text(
+        "import time\n\ndef slow(response, answer, example):\n    time.sleep(0.5)\n    return 0.0\n"
+    )
+    reward = {"type": "python", "function": f"{tmp_path / 'slow_reward.py'}:slow", "workers": 1}
+    cfg = RunConfig.model_validate({**SMALL, "recipe": load_recipe("bf16"), "work_dir": "work", "reward": reward})
+    result = benchmark_recipe(cfg, tiny_models["tiny"], "cpu", steps=1, warmup_steps=0, log=lambda _: None)
+    responses = SMALL["grpo"]["prompts_per_step"] * SMALL["grpo"]["group_size"]
+    assert result.idle_s >= 0.5 * responses * 0.9
+    assert result.logprob_s < 0.5
+
+
+def test_bench_step_micro_batch_tokens_flag_wins_over_the_config() -> None:
+    from fp8rl.bench.step import DEFAULT_MICRO_BATCH_TOKENS, StepBench, speedups, step_config
+
+    base = {"optim": {"micro_batch_tokens": 2048, "lr": 1e-5}}
+    assert step_config(base, "bf16", StepBench(), "w").optim.micro_batch_tokens == 2048
+    flagged = step_config(base, "bf16", StepBench(micro_batch_tokens=4096), "w")
+    assert flagged.optim.micro_batch_tokens == 4096 and flagged.optim.lr == 1e-5
+    assert step_config({}, "bf16", StepBench(), "w").optim.micro_batch_tokens == DEFAULT_MICRO_BATCH_TOKENS
+    # a recipe that measured nothing gets no speedup rather than a ZeroDivisionError
+    zero = ThroughputResult("fp8-e2e", "cpu", "CPU", 1, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    base_r = ThroughputResult("bf16", "cpu", "CPU", 1, 0, 10.0, 10.0, 0.1, 1.0, 2.0, 8.0)
+    ups = speedups([base_r, zero])
+    assert ups["bf16"]["step"] == 1.0 and ups["fp8-e2e"]["step"] != ups["fp8-e2e"]["step"]  # NaN
+    assert ups["fp8-e2e"]["rollout"] == 0.0

@@ -1,0 +1,30 @@
+"""The throughput benchmark of a Ray recipe starts its own local Ray when none runs, and stops it after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fp8rl.bench.throughput import benchmark_recipe
+from fp8rl.config import RayConfig, RunConfig, load_recipe
+
+ray = pytest.importorskip("ray")
+
+
+def test_bench_on_ray_starts_and_stops_a_local_ray(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    if ray.is_initialized():
+        ray.shutdown()  # another module's Ray: this test is about the benchmark starting its own
+    cfg = RunConfig.model_validate(
+        {
+            "recipe": load_recipe("fp8-e2e"),
+            "grpo": {"prompts_per_step": 2, "group_size": 2},
+            "work_dir": str(tmp_path),
+            "ray": RayConfig(trainer_workers=1, rollout_workers=1, object_store_mb=128),
+        }
+    )
+    lines: list[str] = []
+    result = benchmark_recipe(cfg, tiny_models["tiny"], "cpu", steps=1, warmup_steps=0, log=lines.append)
+    assert result.rollout_tokens_per_s > 0 and result.train_tokens_per_s > 0 and result.sync_bytes > 0
+    assert any("timed" in line for line in lines)
+    assert not ray.is_initialized()  # the benchmark's own Ray is shut down with it
