@@ -55,3 +55,9 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     worst = max(float((got["weights"][k].float() - ref[k]).abs().max()) for k in ref)
     print(f"sharded vs replicated on {torch.cuda.get_device_name()} ({precision}): max weight diff {worst:.3g}")
     assert worst < 1e-2
+    # FP8 KV-cache scales from the sharded policy (the root unit gathered by hand) match the replicated ones
+    kv = trainer.kv_scales(batch, 0.999, 1.1)[0]
+    assert got["kv_after"].keys() == kv.keys() and kv
+    rel = max(abs(getattr(got["kv_after"][i], c) / getattr(s, c) - 1) for i, s in kv.items() for c in "qkv")
+    print(f"sharded vs replicated KV scales ({precision}): max relative diff {rel:.3g}")
+    assert rel < 2e-2
