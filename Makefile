@@ -6,7 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 WORK ?= work
-# helm, kubeconform and the Kubernetes/KubeRay schemas (scripts/k8s_tools.sh; built from Go modules, cached)
+# helm, kubeconform and the Kubernetes/KubeRay schemas (scripts/k8s_tools.sh), and the local control plane of
+# the cluster tests (scripts/k8s_control_plane.sh): built from Go modules, cached
 K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 
 .PHONY: install demo test lint typecheck k8s-tools clean
@@ -32,6 +33,7 @@ typecheck: install
 
 k8s-tools: install
 	PYTHON=$(BIN)/python FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/k8s_tools.sh
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/k8s_control_plane.sh
 
 test: lint typecheck k8s-tools
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python -m pytest

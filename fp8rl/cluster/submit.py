@@ -6,7 +6,8 @@ whose message says *why* on failure, and :class:`~fp8rl.cluster.errors.RayJobTim
 
 - :func:`submit_rayjob` (this module) creates a ``ray.io/v1`` RayJob through the Kubernetes API, polls
   ``status.jobDeploymentStatus`` / ``status.jobStatus``, follows the submitter pod's log (in
-  K8sJobMode it runs ``ray job logs --follow``, so that log is the driver's), and on failure reads
+  K8sJobMode it runs ``ray job logs --follow``, so that log is the driver's; best effort: a log the API
+  server cannot fetch from the kubelet is reported once and never hides the outcome), and on failure reads
   pod statuses and Warning events to name the cause (:func:`fp8rl.cluster.diagnose.diagnose`):
   ``image pull error: <image>``, ``unschedulable: <scheduler message>``, ``out of memory: ...``, or
   the driver's traceback. The RayJob is deleted at the end (success, failure, timeout, Ctrl-C) unless
@@ -226,7 +227,22 @@ class _Watch:
             self.follower = _PodLogFollower(
                 self.api.core, self.namespace, newest.metadata.name, self.request_timeout_s, self.clock
             )
-        for line in self.follower.poll():
+        try:
+            lines = self.follower.poll()
+        except Exception as e:
+            # The log is best effort: a kubelet that cannot be reached (a 500 from the API server's proxy), or
+            # RBAC without pods/log, must not hide the job's outcome. Said once per pod; retried every poll.
+            if not (isinstance(e, ApiException) or _is_transient(e)):
+                raise
+            key = f"log:{newest.metadata.name}"
+            if key not in self.reported:
+                self.reported.add(key)
+                reason = f"{e.status} {e.reason}: {_api_message(e)}" if isinstance(e, ApiException) else str(e)
+                self.log_sink(
+                    f"[rayjob {self.name}] cannot read the driver's log from {newest.metadata.name} ({reason})"
+                )
+            return
+        for line in lines:
             self.log_tail.append(line)
             self.log_sink(line)
 
@@ -284,7 +300,9 @@ def _create(api: KubeApis, doc: Mapping[str, Any], name: str, namespace: str, re
             409: f"a RayJob named {name} already exists in namespace {namespace}: pick another name or delete it",
             404: f"the {PLURAL}.{GROUP}/{VERSION} resource does not exist: is the KubeRay operator (v1.x) installed?",
             403: f"forbidden: the service account may not create {PLURAL}.{GROUP} in namespace {namespace} (RBAC)",
-            422: f"the API server rejected the RayJob: {e.body}",
+            422: f"the API server rejected the RayJob: {_api_message(e)}",
+            # strict field validation: an unknown or duplicate field (e.g. a KubeRay version without that field)
+            400: f"the API server rejected the RayJob: {_api_message(e)}",
         }
         raise RayJobFailed(
             name, hints.get(e.status or 0, f"could not create the RayJob: {e.status} {e.reason}")
@@ -311,6 +329,16 @@ def _delete(api: KubeApis, name: str, namespace: str, request_timeout_s: float, 
             )
     except Exception as e:  # a broken connection must not hide the job's result
         log_sink(f"[rayjob {name}] could not delete it ({e}): kubectl delete rayjob {name} -n {namespace}")
+
+
+def _api_message(e: ApiException) -> str:
+    """The ``message`` of the API server's Status body (what kubectl prints), else the raw body."""
+    import json
+
+    try:
+        return str(json.loads(e.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(e.body or e.reason)
 
 
 def _api_error(name: str, e: ApiException) -> RayJobFailed:

@@ -658,3 +658,32 @@ def test_network_policies_admit_the_namespace_and_extra_peers_only(render) -> No
         assert rule["from"][1]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ingress-nginx"}
         assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert mlflow["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": "http"}]
+
+
+def test_every_value_is_documented_once_in_the_readme() -> None:
+    """The README's values table is generated from values.yaml's ``# --`` comments and is up to date, and
+    every leaf value sits under a documented key."""
+    import importlib.util
+
+    import yaml
+
+    path = Path(__file__).resolve().parents[3] / "scripts" / "chart_values_doc.py"
+    spec = importlib.util.spec_from_file_location("chart_values_doc", path)
+    assert spec is not None and spec.loader is not None
+    doc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doc)
+    assert doc.main(["--check"]) == 0, "charts/fp8rl/README.md: run python scripts/chart_values_doc.py"
+    text = (doc.CHART / "values.yaml").read_text()
+    documented = [key for key, _ in doc.documented_keys(text)]
+    assert len(documented) == len(set(documented))
+
+    def leaves(node: object, prefix: str) -> list[str]:
+        if isinstance(node, dict) and node:
+            return [leaf for k, v in node.items() for leaf in leaves(v, f"{prefix}.{k}" if prefix else str(k))]
+        return [prefix]
+
+    undocumented = [
+        leaf for leaf in leaves(yaml.safe_load(text), "")
+        if not any(leaf == d or leaf.startswith(d + ".") for d in documented)
+    ]  # fmt: skip
+    assert not undocumented, f"values without a # -- comment: {undocumented}"
