@@ -127,6 +127,9 @@ class OptimConfig(_Strict):
     micro_batch_tokens: int | None = Field(None, ge=1)
     # recompute each decoder layer's activations in the backward instead of keeping them (long responses)
     activation_checkpointing: bool = False
+    # the decoder's RMSNorms and SiLU gate as torch.compile kernels, in every precision
+    # (fp8rl.train.compiled: Llama / Qwen2 / Qwen3 / Mistral modules; same math, fused)
+    compile_elementwise: bool = False
 
 
 class _PromptOptions(_Strict):

@@ -174,6 +174,7 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         micro_batch_tokens=o.micro_batch_tokens,
         sharding=cfg.ray.trainer_sharding if cfg.ray is not None else "replicate",
         activation_checkpointing=o.activation_checkpointing,
+        compile_elementwise=o.compile_elementwise,
     )
 
 

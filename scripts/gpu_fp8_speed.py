@@ -16,6 +16,7 @@ Writes $OUT/fp8_speed.json (rewritten after each section). Run on the GPU machin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,6 +39,11 @@ from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 LLAMA8B = {"hidden": 4096, "inter": 14336, "layers": 32, "heads": 32, "kv": 8, "vocab": 128256}
 
 
+def trainer_opts(a: argparse.Namespace, precision: str, mbs: int) -> Any:
+    """The harness's trainer options; ``--compile-elementwise`` turns on ``optim.compile_elementwise`` for both."""
+    return dataclasses.replace(opts(precision, "block", "torch", mbs=mbs), compile_elementwise=a.compile_elementwise)
+
+
 def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
     n, seq = a.batch, a.seq
     ids = torch.randint(1, 2048, (n, seq))
@@ -47,9 +53,7 @@ def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"layers": a.layers, "batch": n, "seq": seq}
     for name, precision in [("torch-bf16", "bf16"), ("torch-fp8-block", "fp8"), ("torch-bf16-again", "bf16")]:
         torch.cuda.reset_peak_memory_stats()
-        trainer = TorchTrainer(
-            decoder_stack("llama3-8b", a.layers, seq), opts(precision, "block", "torch", mbs=n), device="cuda"
-        )
+        trainer = TorchTrainer(decoder_stack("llama3-8b", a.layers, seq), trainer_opts(a, precision, n), device="cuda")
         times = []
         for i in range(a.warmup + a.steps):
             torch.cuda.synchronize()
@@ -88,9 +92,7 @@ def section_profile(a: argparse.Namespace) -> dict[str, Any]:
     )
     out: dict[str, Any] = {}
     for precision in ("bf16", "fp8"):
-        trainer = TorchTrainer(
-            decoder_stack("llama3-8b", a.layers, seq), opts(precision, "block", "torch", mbs=n), device="cuda"
-        )
+        trainer = TorchTrainer(decoder_stack("llama3-8b", a.layers, seq), trainer_opts(a, precision, n), device="cuda")
         for _ in range(2):
             trainer.sft_step(batch)
         torch.cuda.synchronize()
@@ -201,15 +203,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=1024)
     p.add_argument("--colwise-config", default=None, help="override the transposed-copy launch, e.g. 32,4,dual")
+    p.add_argument("--compile-elementwise", action="store_true", help="optim.compile_elementwise for every trainer")
+    p.add_argument("--json", default="fp8_speed.json", help="file name under $OUT")
     a = p.parse_args()
     if a.colwise_config:
         from fp8rl.quant import kernels
 
         size, warps, mode = a.colwise_config.split(",")
         kernels.GROUPS_COLWISE_CONFIG = (int(size), int(warps), mode)
-    out = Path(os.environ.get("OUT", ".")) / "fp8_speed.json"
+    out = Path(os.environ.get("OUT", ".")) / a.json
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "date": time.strftime("%Y-%m-%d"), "colwise_config": a.colwise_config, "sections": {}}  # fmt: skip
+                              "date": time.strftime("%Y-%m-%d"), "colwise_config": a.colwise_config,
+                              "compile_elementwise": a.compile_elementwise, "sections": {}}  # fmt: skip
     fns = {
         "trainer": lambda: section_trainer(a),
         "requant": lambda: section_requant(a),

@@ -12,7 +12,8 @@ rollout engine and in the converted checkpoint.  Two paths compute the same FP8 
 
 - fused (CUDA, Hopper, block recipe, K and N multiples of 128; ``fp8rl.quant.block_linear``):
   one Triton pass over X gives its 1x128 copy for the forward and its transposed copy for the
-  wgrad (kept for the backward instead of X); one pass over dY gives both of its copies; the
+  wgrad (kept for the backward instead of X), and linears that read the same X one after the other
+  (q/k/v, gate/up) share that pass (``_SharedInput``); one pass over dY gives both of its copies; the
   weight and its transpose are quantized once per weight version (once per optimizer step, not
   per micro-batch; under FSDP2, once per ``weights_changed`` call) and cached on the module; the GEMMs are cuBLAS block-scaled GEMMs.
 - reference (everything else, the CPU): the torch quantizers and ``fp8_gemm`` (tensor cores
@@ -24,6 +25,7 @@ The module holds the weight in the model's dtype (bf16); master weights live in 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -68,6 +70,50 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+class _SharedInput:
+    """The FP8 copies of the last input the fused path quantized, for the next linear that reads the same tensor.
+
+    HF decoders feed one normalized hidden state to q_proj, k_proj and v_proj (and one to gate_proj and
+    up_proj), each a separate linear: without this, each would quantize it again (same bytes).  The entry is
+    valid while that very tensor object is alive and unmodified (identity through a weak reference, its
+    version counter) and the cached copies cover what the caller needs; it drops itself when the tensor is
+    freed, so it never keeps FP8 copies alive past the activation they came from.
+    """
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref[torch.Tensor] | None = None
+        self._key: tuple[Any, ...] = ()
+        self._value: tuple[torch.Tensor | None, ...] = ()
+
+    def _clear(self, ref: object) -> None:
+        if ref is self._ref:  # not an older entry's reference dying after a newer one replaced it
+            self._ref, self._key, self._value = None, (), ()
+
+    def get(self, x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...] | None:
+        if self._ref is None or self._ref() is not x or self._key[:2] != (x._version, spec):
+            return None
+        if colwise and self._value[2] is None:
+            return None
+        return self._value
+
+    def put(self, x: torch.Tensor, spec: QuantSpec, value: tuple[torch.Tensor | None, ...]) -> None:
+        self._ref = weakref.ref(x, self._clear)
+        self._key, self._value = (x._version, spec), value
+
+
+_shared_input = _SharedInput()
+
+
+def _quantize_input(x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...]:
+    """``quantize_block_input`` of ``x`` viewed as ``[M, K]``, shared with the previous linear when it read ``x``."""
+    cached = _shared_input.get(x, spec, colwise)
+    if cached is not None:
+        return cached
+    value = quantize_block_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise)
+    _shared_input.put(x, spec, value)
+    return value
+
+
 class _FusedBlockFP8LinearFunction(torch.autograd.Function):
     """The fused path (see the module docstring); the weight's FP8 operands come in pre-quantized."""
 
@@ -82,9 +128,8 @@ class _FusedBlockFP8LinearFunction(torch.autograd.Function):
         need_wgrad: bool,  # decided by the caller: grad mode is always off inside forward
     ) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)
-        m = x2.shape[0]
-        xq, xs, xqt, xst = quantize_block_input(x2, spec, rowwise=True, colwise=need_wgrad)
+        m = x.numel() // k
+        xq, xs, xqt, xst = _quantize_input(x, spec, colwise=need_wgrad)
         assert xq is not None and xs is not None
         out = block_mm(xq, xs, wq.q, wq.scale_cublas, m)
         if bias is not None:

@@ -11,6 +11,11 @@ the sharded fp32 gradients.  Same numerics, 12 bytes per parameter divided by th
 
 Both give and take their state as full (unsharded) tensors on the CPU in one layout, so a run
 checkpointed with one resumes with the other.
+
+On CUDA both use torch's fused AdamW (one kernel reads and writes each tensor once; the default
+``foreach`` implementation makes several passes over the fp32 state, 27 ms a step for 0.87B
+parameters on an H100): the same update up to floating-point rounding.  On CPU the default
+implementation runs, so the CPU tests' numbers do not depend on which one a build has.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class MasterWeightAdamW:
         self.master = [nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.params]
         for m in self.master:
             m.grad = torch.zeros_like(m)
-        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        self.optimizer = _adamw(self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
         # Data parallelism: sums the accumulated fp32 gradients across ranks before clipping
         # (set by the worker that owns the process group; None in one process).
         self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None
@@ -51,7 +56,7 @@ class MasterWeightAdamW:
         for m, p, saved in zip(self.master, self.params, masters, strict=True):
             m.copy_(saved)
             p.copy_(saved)
-        self.optimizer.load_state_dict(optim_state)
+        _load_optimizer_state(self.optimizer, optim_state)
 
     @torch.no_grad()
     def accumulate(self, scale: float = 1.0) -> None:
@@ -59,7 +64,7 @@ class MasterWeightAdamW:
         for p, m in zip(self.params, self.master, strict=True):
             if p.grad is not None:
                 assert m.grad is not None
-                m.grad.add_(p.grad.to(torch.float32), alpha=scale)
+                m.grad.add_(p.grad, alpha=scale)  # fp32 += bf16, promoted in the kernel: no fp32 copy first
                 p.grad = None
 
     @torch.no_grad()
@@ -70,12 +75,26 @@ class MasterWeightAdamW:
         norm = float(nn.utils.clip_grad_norm_(self.master, grad_clip))
         if math.isfinite(norm):
             self.optimizer.step()
-            for p, m in zip(self.params, self.master, strict=True):
-                p.copy_(m)
+            torch._foreach_copy_(list[torch.Tensor](self.params), list[torch.Tensor](self.master))
         for m in self.master:
             assert m.grad is not None
             m.grad.zero_()
         return norm
+
+
+def _adamw(params: list[nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """torch's AdamW, fused where every parameter is on CUDA (see the module docstring)."""
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, fused=fused or None, **kwargs)
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``load_state_dict`` that keeps this optimizer's implementation (fused / foreach): a state saved on a
+    GPU resumes on the CPU and back."""
+    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, own in zip(optimizer.param_groups, impl, strict=True):
+        group.update(own)
 
 
 def _check_count(saved: list[torch.Tensor], own: list[Any]) -> None:
@@ -114,7 +133,7 @@ class ShardedAdamW:
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.master = self.params
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        self.optimizer = _adamw(self.params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
         self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None  # FSDP2 reduce-scatters itself
 
     def accumulate(self, scale: float = 1.0) -> None:
@@ -167,7 +186,7 @@ class ShardedAdamW:
             }
             for i, s in optim_state["state"].items()
         }
-        self.optimizer.load_state_dict({"state": sharded, "param_groups": optim_state["param_groups"]})
+        _load_optimizer_state(self.optimizer, {"state": sharded, "param_groups": optim_state["param_groups"]})
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):  # type: ignore[no-untyped-def]

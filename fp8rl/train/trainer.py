@@ -32,6 +32,7 @@ from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
+from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 
@@ -58,6 +59,7 @@ class TrainerOptions:
     micro_batch_tokens: int | None = None
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
+    compile_elementwise: bool = False  # RMSNorm and the SiLU gate as torch.compile kernels (fp8rl.train.compiled)
 
 
 @dataclass
@@ -135,6 +137,7 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.opts = opts
         self.fp8_modules: list[str] = self._convert_linears()
+        self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
         if opts.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer: MasterWeightAdamW | ShardedAdamW

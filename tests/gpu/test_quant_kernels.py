@@ -197,6 +197,54 @@ def test_fused_train_linear_matches_the_reference_linear(m: int, bias: bool) -> 
 
 
 @hopper
+def test_linears_reading_one_input_share_its_quantization_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v-style linears on one tensor quantize it once; outputs and gradients are those of separate inputs."""
+    from fp8rl.train import fp8_linear
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    torch.manual_seed(0)
+    lins = [
+        FP8TrainLinear.from_linear(
+            torch.nn.Linear(512, n, bias=False, device="cuda", dtype=torch.bfloat16), QuantSpec()
+        )
+        for n in (512, 128, 128)
+    ]
+    base = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    g = [torch.randn(2, 300, lin.out_features, device="cuda", dtype=torch.bfloat16) for lin in lins]
+    calls = []
+    real = fp8_linear.quantize_block_input
+    monkeypatch.setattr(fp8_linear, "quantize_block_input", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(shared: bool) -> list[torch.Tensor]:
+        for lin in lins:
+            lin.weight.grad = None
+        x = base.clone().requires_grad_(True)
+        inputs = [x * 1 for _ in lins] if not shared else [x * 1] * len(lins)
+        ys = [lin(inp) for lin, inp in zip(lins, inputs, strict=True)]
+        torch.autograd.backward(ys, g)
+        return [y.detach() for y in ys] + [lin.weight.grad for lin in lins] + [x.grad]
+
+    separate = run(False)
+    n_separate = len(calls)
+    calls.clear()
+    shared = run(True)
+    assert n_separate == 6 and len(calls) == 1 + 3  # one input quantization, then each linear's dY
+    for a, b in zip(shared[:-1], separate[:-1], strict=True):
+        assert torch.equal(a, b)
+    # dX: the same three products, summed by autograd in an order that may differ
+    assert ((shared[-1] - separate[-1]).float().norm() / separate[-1].float().norm()).item() < 1e-2
+    x = base.clone()
+    lins[0](x)
+    with torch.no_grad():
+        x.mul_(2)  # modified in place: its old FP8 copy is stale
+    calls.clear()
+    lins[1](x)
+    assert len(calls) == 1
+    del x
+    assert fp8_linear._shared_input._ref is None  # freed with the activation it came from
+
+
+@hopper
 def test_fused_weight_is_quantized_once_per_weight_version() -> None:
     from fp8rl.train.fp8_linear import FP8TrainLinear
 
