@@ -297,10 +297,13 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     train_m["padding_waste"] = 1.0 - valid / computed if computed else 0.0  # of the tokens the forwards ran
     t3 = time.perf_counter()
     stats = parts.push_weights(step)
+    t_pushed = time.perf_counter()
     kv = parts.calibrate_kv(batch)  # FP8 KV cache: scales for the new weights, from the trainer's activations
     t4 = time.perf_counter()
     tokens = float(mask.sum())
+    freed = getattr(engine, "sleep_freed_bytes", None)  # colocated vLLM on Ray: what sleeping gave to training
     return {
+        **({"memory/rollout_sleep_freed_gb": freed / 2**30} if freed is not None else {}),
         "reward": float(rewards.mean()),
         **scored.metrics(),
         "accuracy": float((rewards > 0).float().mean()),
@@ -316,7 +319,8 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "time/score_s": t_scored - t1,
         "time/logprob_s": t2 - t_scored,
         "time/train_s": t3 - t2,
-        "time/sync_s": t4 - t3,
+        "time/sync_s": t4 - t3,  # the push and, with an FP8 KV cache, the recalibration (its part below)
+        **({"time/kv_calibrate_s": t4 - t_pushed} if kv else {}),
         "time/step_s": t4 - t0,
         "throughput/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
         "throughput/train_tokens_per_s": tokens / max(t3 - t_scored, 1e-9),

@@ -229,6 +229,19 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
             f"{r.train_tokens_per_s:,.0f} | {x('train')} | {r.padding_waste:.1%} | {peak} |"
         )
+    notes = [
+        f"- {r.recipe}: " + "; ".join(
+            part for part in (
+                f"FP8 KV-cache recalibration {r.kv_calibrate_s:.3f} s of the sync" if r.kv_calibrate_s is not None else "",
+                f"the sleeping rollout engine freed {r.rollout_sleep_freed_gb:.1f} GB for training"
+                if r.rollout_sleep_freed_gb is not None else "",
+            ) if part
+        )
+        for r in results
+        if r.kv_calibrate_s is not None or r.rollout_sleep_freed_gb is not None
+    ]  # fmt: skip
+    if notes:
+        lines += ["", *notes]
     return doc, "\n".join(lines) + "\n"
 
 

@@ -47,6 +47,11 @@ STEP_METRICS: dict[str, str] = {
     "time/train_s": "train_s",
     "train/padding_waste": "padding_waste",
 }
+# reported only by some engines and recipes (absent otherwise)
+OPTIONAL_STEP_METRICS: dict[str, str] = {
+    "time/kv_calibrate_s": "kv_calibrate_s",
+    "memory/rollout_sleep_freed_gb": "rollout_sleep_freed_gb",
+}
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,10 @@ class ThroughputResult:
     train_s: float = 0.0
     padding_waste: float = 0.0
     peak_memory_gb: float | None = None  # this process's peak CUDA allocation (None: CPU, or Ray actors)
+    # part of sync_s: the FP8 KV-cache recalibration after the push (None: a bf16 KV cache)
+    kv_calibrate_s: float | None = None
+    # colocated vLLM rollout workers: device memory their engines freed by sleeping (None: not measured)
+    rollout_sleep_freed_gb: float | None = None
 
     @property
     def idle_s(self) -> float:
@@ -157,6 +166,10 @@ def benchmark_recipe(
         finally:
             _stop_ray(started_ray)
     medians = {field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()}
+    optional = {}
+    for key, field in OPTIONAL_STEP_METRICS.items():
+        if timed and all(key in m for m in timed):
+            optional[field] = statistics.median(m[key] for m in timed)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
     return ThroughputResult(
         recipe=cfg.recipe.name,
@@ -166,6 +179,7 @@ def benchmark_recipe(
         warmup_steps=warmup_steps,
         peak_memory_gb=peak,
         **medians,
+        **optional,
     )
 
 

@@ -124,6 +124,8 @@ class RolloutGroup:
     pad_token_id: int
     policy_version: int = 0
     names: list[str] = field(default_factory=list)
+    # colocated vLLM engines: the device memory their last sleep freed, summed over the workers
+    sleep_freed_bytes: int | None = None
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
         self.wake_up()
@@ -145,7 +147,9 @@ class RolloutGroup:
     def sleep(self) -> None:
         """Colocated engines give their device memory to training; no-op when split."""
         if self.colocated:
-            self.calls.get([a.sleep.remote() for a in self.actors], self.names)
+            freed = self.calls.get([a.sleep.remote() for a in self.actors], self.names)
+            measured = [f for f in freed if f is not None]
+            self.sleep_freed_bytes = sum(measured) if measured else None
 
 
 @dataclass

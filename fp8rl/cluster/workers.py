@@ -263,8 +263,10 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def sleep(self) -> None:
+    def sleep(self) -> int | None:
+        """Sleep; returns the device memory it freed where the engine measures it (vLLM), else None."""
         self.engine.sleep()
+        return getattr(self.engine, "sleep_freed_bytes", None)
 
     def wake_up(self) -> None:
         self.engine.wake_up()

@@ -69,7 +69,21 @@ def high_quantile(values: torch.Tensor, q: float) -> float:
     if flat.numel() > _SAMPLE_LIMIT:
         flat = flat[:: math.ceil(flat.numel() / _SAMPLE_LIMIT)]
     k = min(max(math.ceil(q * flat.numel()), 1), flat.numel())
-    return float(torch.kthvalue(flat.cpu(), k).values)
+    return kth_smallest(flat, k)
+
+
+def kth_smallest(flat: torch.Tensor, k: int) -> float:
+    """The ``k``-th smallest of a 1-D tensor, where it lives.
+
+    On a GPU: the smallest of the ``n - k + 1`` largest (``topk``; a high quantile keeps that few), the same
+    order statistic without moving the values to the host -- a ``kthvalue`` on the CPU per hooked projection
+    and micro-batch made an FP8 KV recalibration of a 1B model over 128 x 1k-token responses take ~90 s on
+    Ray, where the actor has one CPU thread.  On the CPU: ``kthvalue``.
+    """
+    n = flat.numel()
+    if flat.is_cuda:
+        return float(torch.topk(flat, n - k + 1, sorted=False).values.min())
+    return float(torch.kthvalue(flat, k).values)
 
 
 class _Collector:

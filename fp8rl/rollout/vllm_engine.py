@@ -139,6 +139,7 @@ class VLLMRolloutEngine:
         self.policy_version = 0
         self.asleep = False
         self.sleep_mode = sleep_mode
+        self.sleep_freed_bytes: int | None = None  # device memory the last sleep() gave back
         self.kv_scales: dict[int, KVScales] = {}
         vllm = import_vllm()
         self._vllm = vllm
@@ -232,7 +233,10 @@ class VLLMRolloutEngine:
         if not self.sleep_mode:
             raise RuntimeError("this vLLM engine was started without sleep mode (colocated layouts enable it)")
         if not self.asleep:
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             self.llm.sleep(level=1)
+            # device memory handed to training (weights offloaded, KV cache dropped), as the driver reports it
+            self.sleep_freed_bytes = torch.cuda.mem_get_info(self.device)[0] - free_before
         self.asleep = True
 
     def wake_up(self) -> None:

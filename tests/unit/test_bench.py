@@ -222,3 +222,30 @@ def test_bench_step_micro_batch_tokens_flag_wins_over_the_config() -> None:
     ups = speedups([base_r, zero])
     assert ups["bf16"]["step"] == 1.0 and ups["fp8-e2e"]["step"] != ups["fp8-e2e"]["step"]  # NaN
     assert ups["fp8-e2e"]["rollout"] == 0.0
+
+
+def test_step_report_names_kv_recalibration_and_sleep_memory_where_measured() -> None:
+    from fp8rl.bench.step import report
+
+    plain = ThroughputResult("bf16", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0)
+    kv = ThroughputResult(
+        "fp8-e2e-kv",
+        "cuda",
+        "GPU",
+        2,
+        1,
+        12.0,
+        8.0,
+        0.9,
+        1.0,
+        2.0,
+        8.0,
+        kv_calibrate_s=0.4,
+        rollout_sleep_freed_gb=21.5,
+    )
+    doc, md = report([plain, kv], {"model": "llama-1b"})
+    assert doc["results"][1]["kv_calibrate_s"] == 0.4 and doc["results"][0]["kv_calibrate_s"] is None
+    assert (
+        "- fp8-e2e-kv: FP8 KV-cache recalibration 0.400 s of the sync; the sleeping rollout engine freed 21.5 GB" in md
+    )
+    assert "- bf16" not in md

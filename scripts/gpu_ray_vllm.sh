@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# vLLM inside the Ray rollout workers on the lent GPU (issue 17): the RL step on a local Ray with the trainer actor
+# and a vLLM rollout actor colocated on one GPU (the engine sleeps while the trainer runs; the memory it frees is
+# reported), objectstore sync with the bit-exact verify mode, and FP8 KV cache recalibrated on Ray.
+#
+# The GPU machine is offline and takes at most 64 MiB per command, so vLLM 0.26.0 (../shared/device/vllm/pack.sh),
+# Ray 2.60.0 and the wheels of Ray's dependencies travel as one bundle cut into parts:
+#   bash scripts/gpu_ray_vllm.sh pack                    here: fills .carry/rv1 .. .carry/rvN (git-ignored)
+#   bash scripts/gpu_ray_vllm.sh part .carry/rvK         on the GPU machine, one call per part, back to back
+#                                                        (/tmp there lasts ~30 s after a command); the last one
+#                                                        unpacks vLLM and installs Ray into /tmp/site
+#   bash scripts/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
+#   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command
+# Results: $OUT/bench_step.json, bench_step.md and ray_vllm.log.
+set -uo pipefail
+step=${1:?step}; arg=${2:-}
+OUT=${OUT:-.}
+RES=/tmp/res
+
+case $step in
+  pack)  # on this machine
+    VP=${PACK_DIR:-${TMPDIR:-/tmp}/vllm_pack}
+    [ -e "$VP/slim.tar.xz" ] && [ -d .carry/vllm2/deps ] || { echo "run ../shared/device/vllm/pack.sh first"; exit 2; }
+    W=$(mktemp -d); mkdir -p "$W/b/deps"
+    PIPDL="python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d $W/b/deps"
+    for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_28_x86_64 any; do PIPDL="$PIPDL --platform $p"; done
+    # Ray and its dependencies at the versions constraints.txt pins (requests/packaging come with the image)
+    pins=$(grep -i -E '^(ray|click|filelock|jsonschema|jsonschema-specifications|referencing|rpds-py|attrs|msgpack|protobuf|pyyaml)==' constraints.txt)
+    # shellcheck disable=SC2086
+    $PIPDL $pins || exit 3
+    cp "$VP/slim.tar.xz" "$W/b/vllm_slim.tar.xz"
+    cp .carry/vllm2/deps/*.whl "$W/b/deps/"
+    tar -C "$W/b" -cf "$W/bundle.tar" . || exit 4
+    sha=$(sha256sum "$W/bundle.tar" | cut -d' ' -f1)
+    rm -rf .carry/rv*; split -n "${PARTS:-4}" -d -a 1 "$W/bundle.tar" "$W/part."  # ~53 MB each + the tree
+    n=$(ls "$W"/part.* | wc -l); k=1
+    for p in "$W"/part.*; do
+      mkdir -p .carry/rv$k && mv "$p" .carry/rv$k/ && echo "$sha $n" > .carry/rv$k/manifest.txt; k=$((k + 1))
+    done
+    rm -rf "$W"; du -sb .carry/rv*; echo "send .carry/rv1 .. .carry/rv$n with 'part', back to back"
+    ;;
+  part)  # on the GPU machine
+    mkdir -p /tmp/parts; cp "$arg"/part.* /tmp/parts/ || exit 2
+    read -r SHA NP < "$arg/manifest.txt"; have=$(ls /tmp/parts | wc -l)
+    [ -e /tmp/site/.rv_done ] && { echo "already installed"; exit 0; }
+    [ "$have" -lt "$NP" ] && { echo "have $have of $NP parts; send the next now"; exit 0; }
+    T0=$(date +%s); cat /tmp/parts/part.* > /tmp/bundle.tar; rm -rf /tmp/parts
+    echo "$SHA  /tmp/bundle.tar" | sha256sum -c - || exit 3
+    mkdir -p /tmp/b /tmp/site && tar -C /tmp/b -xf /tmp/bundle.tar && rm /tmp/bundle.tar || exit 4
+    tar -xJf /tmp/b/vllm_slim.tar.xz -C /tmp/site || exit 5
+    # a dependency the image already has stays the image's; vLLM's own dependency wheels and Ray always go in
+    for w in /tmp/b/deps/*.whl; do
+      mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
+      case $mod in pyyaml) mod=yaml;; protobuf) mod=google.protobuf;; rpds_py) mod=rpds;; esac
+      case $mod in ray) ;; click|filelock|jsonschema|jsonschema_specifications|referencing|attrs|msgpack|google.protobuf|yaml|rpds)
+        python3 -c "import $mod" 2>/dev/null && continue;; esac
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" || exit 6
+    done
+    touch /tmp/site/.rv_done; rm -rf /tmp/b
+    PYTHONPATH=/tmp/site python3 -c "import ray, vllm; print('IMPORT_OK ray', ray.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
+    echo "SETUP_SECONDS $(( $(date +%s) - T0 ))"
+    ;;
+  run|poll)
+    export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+    export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
+    mkdir -p $RES
+    if [ "$step" = run ]; then
+      rm -f $RES/done
+      setsid nohup bash -c "python3 -m fp8rl bench step --shape ${SHAPE:-llama-1b} --config docs/configs/bench-vllm-ray.yaml \
+        --recipes ${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml} --prompts ${PROMPTS:-16} --samples 8 \
+        --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow --out $RES \
+        --work-dir /tmp/work > $RES/ray_vllm.log 2>&1; echo EXIT \$? >> $RES/ray_vllm.log; touch $RES/done" \
+        > /dev/null 2>&1 < /dev/null &
+    fi
+    t0=$(date +%s); seen=0
+    while [ ! -e $RES/done ] && [ $(( $(date +%s) - t0 )) -lt ${WAIT_S:-540} ]; do
+      sleep 5; n=$(wc -l < $RES/ray_vllm.log 2>/dev/null || echo 0)
+      [ "$n" -gt "$seen" ] && { sed -n "$((seen + 1)),${n}p" $RES/ray_vllm.log | grep -v "Warning\|warn(" | cut -c1-250; seen=$n; }
+    done
+    cp -f $RES/*.json $RES/*.md $RES/*.log "$OUT"/ 2>/dev/null
+    [ -e $RES/done ] && echo "RUN DONE: $(tail -n 1 $RES/ray_vllm.log)" || echo "RUN STILL GOING: poll"
+    ;;
+  *) echo "unknown step $step"; exit 2;;
+esac
