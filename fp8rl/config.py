@@ -130,6 +130,13 @@ class OptimConfig(_Strict):
     # the decoder's RMSNorms and SiLU gate as torch.compile kernels, in every precision
     # (fp8rl.train.compiled: Llama / Qwen2 / Qwen3 / Mistral modules; same math, fused)
     compile_elementwise: bool = False
+    # the decoder layers replayed as CUDA graphs (fp8rl.train.graphs; torch trainer on a GPU, not sharded):
+    # micro-batches padded to widths in steps of cuda_graph_width and the rows the token budget gives there,
+    # each shape captured the second time it is seen; cuda_graph_shapes of them kept (least recently used
+    # dropped), each holding one micro-batch's activations and a bf16 copy of the decoder's gradients
+    cuda_graphs: bool = False
+    cuda_graph_width: int = Field(128, ge=16)
+    cuda_graph_shapes: int = Field(2, ge=1)
 
 
 class _PromptOptions(_Strict):

@@ -175,6 +175,9 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         sharding=cfg.ray.trainer_sharding if cfg.ray is not None else "replicate",
         activation_checkpointing=o.activation_checkpointing,
         compile_elementwise=o.compile_elementwise,
+        cuda_graphs=o.cuda_graphs,
+        cuda_graph_width=o.cuda_graph_width,
+        cuda_graph_shapes=o.cuda_graph_shapes,
     )
 
 

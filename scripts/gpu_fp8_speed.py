@@ -5,6 +5,10 @@
             --steps after --warmup.
   profile   device time of one trainer step by kernel category (GEMMs, FP8 quantization, attention, optimizer,
             the rest), BF16 vs FP8: the share of the step FP8 can speed up.
+  rl        the RL train phase at Llama-3.2-1B shape (16 layers, hidden 2048, vocab 128,256; random weights):
+            compute_logprobs + policy_step over 16 prompts x 8 samples x (128 + 1,024) tokens in micro-batches of
+            4,096 padded tokens, BF16 vs FP8, eager vs ``optim.cuda_graphs``; what ``fp8rl bench step``'s
+            logprob + train phases run, without the rollout.
   requant   requantize_for_rollout + packing into sync buckets of a Llama-3.1-8B-shaped model (random bf16
             weights on the GPU): fused kernels vs the torch reference, with bytes moved / time vs the copy
             bandwidth measured in the same run.
@@ -40,8 +44,78 @@ LLAMA8B = {"hidden": 4096, "inter": 14336, "layers": 32, "heads": 32, "kv": 8, "
 
 
 def trainer_opts(a: argparse.Namespace, precision: str, mbs: int) -> Any:
-    """The harness's trainer options; ``--compile-elementwise`` turns on ``optim.compile_elementwise`` for both."""
-    return dataclasses.replace(opts(precision, "block", "torch", mbs=mbs), compile_elementwise=a.compile_elementwise)
+    """The harness's trainer options; ``--compile-elementwise`` / ``--cuda-graphs`` turn on
+    ``optim.compile_elementwise`` / ``optim.cuda_graphs`` for both precisions."""
+    return dataclasses.replace(
+        opts(precision, "block", "torch", mbs=mbs), compile_elementwise=a.compile_elementwise, cuda_graphs=a.cuda_graphs
+    )
+
+
+def llama_1b() -> Any:
+    """Llama-3.2-1B's shape (random weights, bf16, on the GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=True, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)  # the same weights for every trainer: their logprobs are compared
+    with torch.device("cuda"):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def section_rl(a: argparse.Namespace) -> dict[str, Any]:
+    """The RL train phase (logprob recompute + policy step) at 1B shape: BF16 vs FP8, eager vs CUDA graphs."""
+    from fp8rl.rl import PolicyLossConfig
+    from fp8rl.train.trainer import TrainerOptions, build_batch
+
+    rows, prompt, response = a.rl_rows, 128, a.rl_response
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128000, (prompt,), generator=g).tolist() for _ in range(rows)]
+    batch = build_batch(prompts, torch.randint(1, 128000, (rows, response), generator=g), torch.ones(rows, response), 0)
+    adv = torch.randn(rows, generator=g)
+    mask = torch.ones(rows, response)
+    out: dict[str, Any] = {"rows": rows, "prompt": prompt, "response": response, "micro_batch_tokens": 4096,
+                           "cuda_graph_width": a.graph_width}  # fmt: skip
+    logprobs: dict[str, torch.Tensor] = {}
+    for precision in ("bf16", "fp8"):
+        for graphs in (False, True):
+            name = f"{precision}-{'graphs' if graphs else 'eager'}"
+            torch.cuda.reset_peak_memory_stats()
+            o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=4096, cuda_graphs=graphs,
+                               cuda_graph_width=a.graph_width, compile_elementwise=a.compile_elementwise)  # fmt: skip
+            trainer = TorchTrainer(llama_1b(), o, device="cuda")
+            times = []
+            for i in range(a.warmup + a.steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                old = trainer.compute_logprobs(batch, 1.0)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                m = trainer.policy_step(batch, adv, old, None, mask, PolicyLossConfig(), 1.0)
+                torch.cuda.synchronize()
+                if i >= a.warmup:
+                    times.append((t1 - t0, time.perf_counter() - t1))
+                if i == 0:
+                    logprobs[name] = old
+            lp, tr = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+            out[name] = {"logprob_s": lp, "train_s": tr, "phase_s": lp + tr, "tokens_per_s": rows * response / (lp + tr),
+                         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "step_times_s": times,
+                         "tokens_computed": m["tokens_computed"],
+                         **{k: v for k, v in m.items() if k.startswith("cuda_graph")}}  # fmt: skip
+            say(f"[rl] {name}: logprob {lp:.2f} s, train {tr:.2f} s, {out[name]['tokens_per_s']:.0f} tok/s, "
+                f"peak {out[name]['peak_mem_gb']:.1f} GB")  # fmt: skip
+            del trainer
+            torch.cuda.empty_cache()
+        diff = (logprobs[f"{precision}-graphs"] - logprobs[f"{precision}-eager"]).abs()
+        out[f"{precision}_graphs_vs_eager_logprob_max_abs_diff"] = float(diff.max())
+    for mode in ("eager", "graphs"):
+        out[f"fp8_vs_bf16_{mode}"] = out[f"bf16-{mode}"]["phase_s"] / out[f"fp8-{mode}"]["phase_s"]
+    for precision in ("bf16", "fp8"):
+        out[f"{precision}_graphs_vs_eager"] = (
+            out[f"{precision}-eager"]["phase_s"] / out[f"{precision}-graphs"]["phase_s"]
+        )
+    say("[rl] " + ", ".join(f"{k} {v:.2f}x" for k, v in out.items() if k.endswith(("_eager", "_graphs", "vs_eager"))))
+    return out
 
 
 def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
@@ -204,6 +278,12 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=int, default=1024)
     p.add_argument("--colwise-config", default=None, help="override the transposed-copy launch, e.g. 32,4,dual")
     p.add_argument("--compile-elementwise", action="store_true", help="optim.compile_elementwise for every trainer")
+    p.add_argument(
+        "--cuda-graphs", action="store_true", help="optim.cuda_graphs for every trainer of --sections trainer"
+    )
+    p.add_argument("--graph-width", type=int, default=128, help="rl section: optim.cuda_graph_width")
+    p.add_argument("--rl-rows", type=int, default=128, help="rl section: sequences (prompts x samples)")
+    p.add_argument("--rl-response", type=int, default=1024, help="rl section: response tokens")
     p.add_argument("--json", default="fp8_speed.json", help="file name under $OUT")
     a = p.parse_args()
     if a.colwise_config:
@@ -214,11 +294,13 @@ def main() -> None:
     out = Path(os.environ.get("OUT", ".")) / a.json
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "colwise_config": a.colwise_config,
-                              "compile_elementwise": a.compile_elementwise, "sections": {}}  # fmt: skip
+                              "compile_elementwise": a.compile_elementwise, "cuda_graphs": a.cuda_graphs,
+                              "sections": {}}  # fmt: skip
     fns = {
         "trainer": lambda: section_trainer(a),
         "requant": lambda: section_requant(a),
         "profile": lambda: section_profile(a),
+        "rl": lambda: section_rl(a),
     }
     for name in a.sections.split(","):
         run_section(report, name, fns[name], out, say)

@@ -55,21 +55,32 @@ class BlockWeight:
     scale: torch.Tensor  # [N/128, K/128] row-major view (the reference's scale_inv)
     scale_cublas: torch.Tensor
     qt: torch.Tensor | None
+    scale_t: torch.Tensor | None  # [K/128, N/128] row-major view of scale_t_cublas
     scale_t_cublas: torch.Tensor | None
     key: tuple[int, int]
 
 
-def quantize_block_weight(w: torch.Tensor, spec: QuantSpec, transpose: bool) -> BlockWeight:
-    """Quantize ``w [N, K]`` in 128x128 tiles (and its transpose) straight into cuBLAS's scale layouts."""
+def quantize_block_weight(
+    w: torch.Tensor, spec: QuantSpec, transpose: bool, into: BlockWeight | None = None
+) -> BlockWeight:
+    """Quantize ``w [N, K]`` in 128x128 tiles (and its transpose) straight into cuBLAS's scale layouts.
+
+    ``into``: an earlier result for a weight of the same shape whose buffers take the new bytes and scales in
+    place (what a captured CUDA graph reads stays where it is); the returned operands alias them."""
     n, k = w.shape
     nb, kb = math.ceil(n / 128), math.ceil(k / 128)
-    s_view, s_cublas = tile_scale_buffer(nb, kb, w.device)
-    st_view, st_cublas = tile_scale_buffer(kb, nb, w.device) if transpose else (None, None)
+    if into is not None:
+        if tuple(into.q.shape) != (n, k) or transpose != (into.qt is not None):
+            raise ValueError(f"cannot requantize a [{n}, {k}] weight into operands of shape {list(into.q.shape)}")
+        s_view, s_cublas, st_view, st_cublas = into.scale, into.scale_cublas, into.scale_t, into.scale_t_cublas
+    else:
+        s_view, s_cublas = tile_scale_buffer(nb, kb, w.device)
+        st_view, st_cublas = tile_scale_buffer(kb, nb, w.device) if transpose else (None, None)
     q, _, qt, _ = kernels.quantize_tiles(
         w, get_format(spec.fmt), spec.pow2_scales, (128, 128), transpose=transpose, scale_out=s_view,
-        scale_t_out=st_view,
+        scale_t_out=st_view, q_out=None if into is None else into.q, qt_out=None if into is None else into.qt,
     )  # fmt: skip
-    return BlockWeight(q, s_view, s_cublas, qt, st_cublas, (w.data_ptr(), w._version))
+    return BlockWeight(q, s_view, s_cublas, qt, st_view, st_cublas, (w.data_ptr(), w._version))
 
 
 def padded_rows(m: int, multiple: int) -> int:

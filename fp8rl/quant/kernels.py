@@ -303,13 +303,17 @@ def quantize_tiles(
     transpose: bool = False,
     scale_out: torch.Tensor | None = None,
     scale_t_out: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
+    qt_out: torch.Tensor | None = None,
     warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Br x Bc tile quantization of ``x [R, C]``: returns ``(q, s, qt, st)``.
 
     ``s [ceil(R/Br), ceil(C/Bc)]``; with ``transpose``, ``qt [C, R]`` holds the same bytes transposed and
     ``st`` is ``s`` transposed (for square tiles, exactly the quantization of ``x.T``).  ``scale_out`` /
-    ``scale_t_out`` may be views with any strides (e.g. the zero-padded grids cuBLAS reads) to write into.
+    ``scale_t_out`` may be views with any strides (e.g. the zero-padded grids cuBLAS reads) to write into;
+    ``q_out`` / ``qt_out`` (contiguous, of the output format) take the bytes in place: a weight requantized
+    into the buffers a captured CUDA graph reads.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_tiles needs a 2-D tensor, got shape {tuple(x.shape)}")
@@ -319,9 +323,12 @@ def quantize_tiles(
     r, c = x.shape
     n_r, n_c = math.ceil(r / br), math.ceil(c / bc)
     dev = x.device
-    q = torch.empty(r, c, dtype=fmt.dtype, device=dev)
+    for name, buf, shape in (("q_out", q_out, (r, c)), ("qt_out", qt_out, (c, r))):
+        if buf is not None and (tuple(buf.shape) != shape or buf.dtype != fmt.dtype or not buf.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {fmt.dtype} tensor of shape {list(shape)}")
+    q = q_out if q_out is not None else torch.empty(r, c, dtype=fmt.dtype, device=dev)
     s = scale_out if scale_out is not None else torch.empty(n_r, n_c, dtype=torch.float32, device=dev)
-    qt = torch.empty(c, r, dtype=fmt.dtype, device=dev) if transpose else None
+    qt = (qt_out if qt_out is not None else torch.empty(c, r, dtype=fmt.dtype, device=dev)) if transpose else None
     st = None
     if transpose:
         st = scale_t_out if scale_t_out is not None else torch.empty(n_c, n_r, dtype=torch.float32, device=dev)

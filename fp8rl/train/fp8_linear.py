@@ -199,6 +199,18 @@ class FP8TrainLinear(nn.Linear):
         """The weight was updated (an optimizer step, a load): the next forward re-quantizes it."""
         self._fused_weight = None
 
+    def refresh_weight(self) -> None:
+        """The weight was updated and CUDA graphs read this module's cached FP8 operands
+        (``fp8rl.train.graphs``): requantize into the same buffers now (nothing cached: nothing to do)."""
+        cached = self._fused_weight
+        if cached is not None:
+            with torch.no_grad():
+                self._fused_weight = quantize_block_weight(self.weight.detach(), self.spec, True, into=cached)
+
+    def prepare(self) -> None:
+        """Quantize the weight now if the fused path will need it (before a CUDA graph capture)."""
+        self._block_weight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
         wq = self._block_weight()

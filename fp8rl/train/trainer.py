@@ -34,6 +34,7 @@ from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
 from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear
+from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 
 SHARDINGS = ("replicate", "fsdp")
@@ -60,6 +61,10 @@ class TrainerOptions:
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
     compile_elementwise: bool = False  # RMSNorm and the SiLU gate as torch.compile kernels (fp8rl.train.compiled)
+    # decoder layers replayed as CUDA graphs, micro-batches padded to shape buckets (fp8rl.train.graphs)
+    cuda_graphs: bool = False
+    cuda_graph_width: int = 128  # the buckets' width step, in columns
+    cuda_graph_shapes: int = 2  # captured shapes kept (each holds one micro-batch's activations and gradients)
 
 
 @dataclass
@@ -138,6 +143,9 @@ class TorchTrainer:
         self.opts = opts
         self.fp8_modules: list[str] = self._convert_linears()
         self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
+        # with CUDA graphs, micro-batches are padded to shape buckets: widths in steps of this many columns
+        self.bucket_width_step: int | None = opts.cuda_graph_width if opts.cuda_graphs else None
+        self.graphs = self._layer_graphs() if opts.cuda_graphs else None
         if opts.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.optimizer: MasterWeightAdamW | ShardedAdamW
@@ -178,11 +186,68 @@ class TorchTrainer:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
-    def _weights_changed(self) -> None:
-        """After an optimizer step or a load: FP8 linears drop their cached FP8 weights."""
+    def _layer_graphs(self) -> LayerGraphs:
+        """``optim.cuda_graphs``: the decoder layers' graphs, after checking what the option needs."""
+        o = self.opts
+        if o.backend != "torch":
+            raise ValueError(f"optim.cuda_graphs needs trainer 'torch', got {o.backend!r}")
+        if self.sharded:
+            raise ValueError("optim.cuda_graphs cannot be combined with ray.trainer_sharding 'fsdp'")
+        if o.activation_checkpointing:
+            raise ValueError("optim.cuda_graphs cannot be combined with optim.activation_checkpointing")
+        if o.cuda_graph_width < 1:
+            raise ValueError(f"optim.cuda_graph_width must be >= 1, got {o.cuda_graph_width}")
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+            raise ValueError(f"optim.cuda_graphs: {type(self.model).__name__} has no decoder layers at model.layers")
+        if self.device.type != "cuda":
+            raise ValueError(f"optim.cuda_graphs needs a CUDA device; this trainer runs on {str(self.device)!r}")
+        return LayerGraphs(layers, o.cuda_graph_shapes, self._prepare_linears)
+
+    def _prepare_linears(self) -> None:
         for m in self.model.modules():
             if isinstance(m, FP8TrainLinear):
-                m.weights_changed()
+                m.prepare()
+
+    def _weights_changed(self) -> None:
+        """After an optimizer step or a load: FP8 linears drop their cached FP8 weights (with CUDA graphs, which
+        read those buffers, requantize into them)."""
+        for m in self.model.modules():
+            if isinstance(m, FP8TrainLinear):
+                if self.graphs is not None:
+                    m.refresh_weight()
+                else:
+                    m.weights_changed()
+
+    def _bucket_width(self, width: int) -> int:
+        """A micro-batch's padded width: with CUDA graphs rounded up to ``cuda_graph_width`` columns."""
+        step = self.bucket_width_step
+        return width if step is None else -(-width // step) * step
+
+    def _bucket_rows(self, width: int) -> int:
+        """With CUDA graphs, the rows of every micro-batch of this padded width."""
+        budget = self.opts.micro_batch_tokens
+        return max(1, budget // width) if budget is not None else self.opts.micro_batch_size
+
+    def _bucketed(self, b: SequenceBatch) -> SequenceBatch:
+        """``b`` (trimmed) padded to its CUDA-graph shape: columns of padding on the right (outside the
+        attention mask and the loss), rows of padding below (attending to themselves, outside the loss)."""
+        n, width = b.input_ids.shape
+        wb = self._bucket_width(width)
+        rows = max(n, self._bucket_rows(wb))
+        if (rows, wb) == (n, width):
+            return b
+        ids = torch.full((rows, wb), self.pad_token_id, dtype=b.input_ids.dtype)
+        attn = torch.ones((rows, wb), dtype=b.attention_mask.dtype)
+        pos = torch.arange(wb, dtype=b.position_ids.dtype).repeat(rows, 1)
+        resp = torch.zeros((rows, wb - b.prompt_width), dtype=b.response_mask.dtype)
+        ids[:n, :width] = b.input_ids
+        attn[:n, width:] = 0
+        attn[:n, :width] = b.attention_mask
+        pos[:n, :width] = b.position_ids
+        pos[:n, width:] = b.position_ids[:, width - 1 :]  # the last position, as right padding has
+        resp[:n, : b.response_mask.shape[1]] = b.response_mask
+        return SequenceBatch(ids, attn, pos, resp, b.prompt_width)
 
     def _micro_batches(self, batch: SequenceBatch) -> list[slice]:
         """This rank's micro-batches: ``micro_batch_size`` rows, or with ``micro_batch_tokens`` as many consecutive
@@ -198,7 +263,7 @@ class TorchTrainer:
             slices, start, width_p, width_r = [], 0, 0, 0
             for i in range(n):
                 wp, wr = max(width_p, int(prompt[i])), max(width_r, int(response[i]), 1)
-                if i > start and (i - start + 1) * (wp + wr) > budget:
+                if i > start and (i - start + 1) * self._bucket_width(wp + wr) > budget:
                     slices.append(slice(start, i))
                     start, wp, wr = i, int(prompt[i]), max(int(response[i]), 1)
                 width_p, width_r = wp, wr
@@ -245,8 +310,12 @@ class TorchTrainer:
         return names
 
     def _logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The model's logits ``[n, L, V]`` for ``ids [n, L]`` under training numerics (grad as the caller's)."""
-        return self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        """The model's logits ``[n, L, V]`` for ``ids [n, L]`` under training numerics (grad as the caller's).
+
+        No KV cache: HF would otherwise build one (``config.use_cache``) that no training forward reads."""
+        return self.model(
+            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
 
     # ---- forward -------------------------------------------------------------------------------------
     def _response_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
@@ -256,16 +325,23 @@ class TorchTrainer:
         zero-padded back to ``T``.  Counts the tokens computed and the valid ones (``tokens_computed``)."""
         full_t = batch.response_mask.shape[1]
         b = batch.trimmed()
-        self._tokens[0] += float(b.input_ids.numel())
+        n, t = b.input_ids.shape[0], b.response_mask.shape[1]
         self._tokens[1] += float(b.attention_mask.sum())
+        if self.bucket_width_step is not None:
+            b = self._bucketed(b)
+        self._tokens[0] += float(b.input_ids.numel())
         ids = b.input_ids.to(self.device)
-        logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
-        t = ids.shape[1] - b.prompt_width
-        pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + t, :].float()
+        if self.graphs is not None:
+            with self.graphs.active():
+                logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
+        else:
+            logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
+        tb = ids.shape[1] - b.prompt_width
+        pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :].float()
         if temperature > 0:
             pred.div_(temperature)  # in place: one [n, t, vocab] fp32 copy fewer (the cast keeps no input)
         lp = pred.log_softmax(-1).gather(-1, ids[:, b.prompt_width :, None]).squeeze(-1)
-        lp = lp * b.response_mask.to(self.device)
+        lp = (lp * b.response_mask.to(self.device))[:n, :t]
         return torch.nn.functional.pad(lp, (0, full_t - t)) if t < full_t else lp
 
     @torch.no_grad()
@@ -351,6 +427,9 @@ class TorchTrainer:
             loss_total += float(loss.detach()) * weight
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v * weight
+            # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
+            # graph captured in that forward must not find the parameters' gradient nodes of this one alive
+            del lp, inp, loss
         grad_norm = self.optimizer.step(self.opts.grad_clip)
         self._weights_changed()
         lr = self.scheduler.get_last_lr()[0]
@@ -359,7 +438,7 @@ class TorchTrainer:
         computed, valid = self._tokens
         return {
             **sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
-            "tokens_valid": valid,
+            "tokens_valid": valid, **(self.graphs.stats() if self.graphs is not None else {}),
         }  # fmt: skip
 
     def sft_step(self, batch: SequenceBatch) -> dict[str, float]:
@@ -378,6 +457,7 @@ class TorchTrainer:
             loss.backward()
             self.optimizer.accumulate()
             loss_total += float(loss.detach())
+            del lp, loss  # as in policy_step
         grad_norm = self.optimizer.step(self.opts.grad_clip)
         self._weights_changed()
         self.scheduler.step()

@@ -258,6 +258,31 @@ def test_fused_weight_is_quantized_once_per_weight_version() -> None:
     assert torch.equal(second.q.view(torch.uint8), quantize_weight(lin.weight, lin.spec).data.view(torch.uint8))
 
 
+def test_weight_requantized_in_place_keeps_its_buffers_and_equals_a_fresh_quantization() -> None:
+    """``refresh_weight`` (what CUDA graphs need): new bytes and scales in the very buffers the graphs read."""
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    lin = FP8TrainLinear.from_linear(torch.nn.Linear(384, 640, device="cuda", dtype=torch.bfloat16), QuantSpec())
+    lin.prepare()
+    old = lin._fused_weight
+    assert old is not None and old.qt is not None and old.scale_t is not None
+    ptrs = [t.data_ptr() for t in (old.q, old.scale_cublas, old.qt, old.scale_t_cublas)]
+    with torch.no_grad():
+        lin.weight.mul_(-3.0)
+    lin.refresh_weight()
+    new = lin._fused_weight
+    assert new is not None and new.qt is not None and new.scale_t_cublas is not None
+    assert [t.data_ptr() for t in (new.q, new.scale_cublas, new.qt, new.scale_t_cublas)] == ptrs
+    assert lin._block_weight() is new  # its key is the new weight version: no second quantization
+    fresh = quantize_block_weight(lin.weight.detach(), lin.spec, transpose=True)
+    assert fresh.qt is not None and fresh.scale_t_cublas is not None
+    for a, b in [(new.q, fresh.q), (new.qt, fresh.qt)]:
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(new.scale_cublas, fresh.scale_cublas) and torch.equal(new.scale_t_cublas, fresh.scale_t_cublas)
+    with pytest.raises(ValueError, match="cannot requantize a \\[384, 640\\] weight"):
+        quantize_block_weight(lin.weight.detach().t(), lin.spec, transpose=True, into=new)
+
+
 @hopper
 def test_fused_inference_linear_matches_the_reference() -> None:
     from fp8rl.rollout.fp8_linear import FP8InferenceLinear
