@@ -132,7 +132,7 @@ class OptimConfig(_Strict):
     compile_elementwise: bool = False
     # the decoder layers replayed as CUDA graphs (fp8rl.train.graphs; torch trainer on a GPU, not sharded):
     # micro-batches padded to widths in steps of cuda_graph_width and the rows the token budget gives there,
-    # each shape captured the second time it is seen; cuda_graph_shapes of them kept (least recently used
+    # each shape captured once seen before (by a forward with gradients on); cuda_graph_shapes kept (least used
     # dropped), each holding one micro-batch's activations and a bf16 copy of the decoder's gradients
     cuda_graphs: bool = False
     cuda_graph_width: int = Field(128, ge=16)

@@ -11,7 +11,7 @@ How it works (``LayerGraphs``):
 - The trainer pads each micro-batch to a shape bucket (``TorchTrainer``): its width rounded up to a
   multiple of ``optim.cuda_graph_width`` columns and its rows to what the token budget gives at that
   width, so a step sees few shapes.
-- The second time a shape is seen with gradients on, every decoder layer is captured for it by
+- When a shape seen before (in any forward) comes with gradients on, every decoder layer is captured for it by
   ``torch.cuda.make_graphed_callables`` (a forward and a backward graph each, one memory pool per shape);
   from then on the layer's forward replays them.  The logprob forwards (no gradients) replay the same
   forward graphs.  A shape seen once runs eagerly.

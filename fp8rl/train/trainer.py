@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,10 +332,7 @@ class TorchTrainer:
             b = self._bucketed(b)
         self._tokens[0] += float(b.input_ids.numel())
         ids = b.input_ids.to(self.device)
-        if self.graphs is not None:
-            with self.graphs.active():
-                logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
-        else:
+        with self.graphs.active() if self.graphs is not None else nullcontext():
             logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
         tb = ids.shape[1] - b.prompt_width
         pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :].float()
