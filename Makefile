@@ -10,7 +10,7 @@ WORK ?= work
 # the cluster tests (scripts/k8s_control_plane.sh): built from Go modules, cached
 K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 
-.PHONY: install demo test lint typecheck k8s-tools clean
+.PHONY: install demo test lint typecheck k8s-tools images clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -34,6 +34,14 @@ typecheck: install
 k8s-tools: install
 	PYTHON=$(BIN)/python FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/k8s_tools.sh
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/k8s_control_plane.sh
+
+# The container images on local stand-ins of their public base images, with podman: for a build host that reaches
+# no registry (CI; root). With docker and the public bases: images/build.sh. The image tests (tests/image) run
+# the images this builds; IMAGES=runtime or "runtime component" for the GPU image (long: images/README.md).
+IMAGES ?= component
+images:
+	scripts/container_tools.sh
+	images/build.sh --local-base $(IMAGES)
 
 test: lint typecheck k8s-tools
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python -m pytest

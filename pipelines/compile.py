@@ -1,16 +1,20 @@
-"""``python -m pipelines.compile [--output-dir DIR] [--registry REGISTRY] [NAME ...]``: write pipeline IR YAML.
+"""``python -m pipelines.compile [--output-dir DIR] [--registry REGISTRY] [--digest IMAGE=DIGEST] [NAME ...]``: write
+pipeline IR YAML.
 
 One file per pipeline, ``<DIR>/<pipeline name>.yaml`` (default ``dist/pipelines/``), each written
 atomically; upload it in the KFP UI or with ``kfp pipeline upload``. ``--registry`` prefixes the
-project's image names (``registry.example.com/ml`` -> ``registry.example.com/ml/fp8rl-component:<version>``).
+project's image names (``registry.example.com/ml`` -> ``registry.example.com/ml/fp8rl-component:<version>``);
+``--digest fp8rl-component=sha256:<64 hex>`` refers to that image by the digest its push printed
+(``.../fp8rl-component@sha256:...``), so that the run uses exactly the image that was pushed.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,30 @@ from fp8rl.errors import UserError
 DEFAULT_OUTPUT_DIR = Path("dist/pipelines")
 
 
-def pipeline_ir(pipeline: Any, registry: str | None = None) -> list[dict[str, Any]]:
-    """The compiled IR documents: the pipeline spec and, when a step has Kubernetes settings, the platform spec."""
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def parse_digests(specs: Sequence[str]) -> dict[str, str]:
+    """``["fp8rl-component=sha256:...", ...]`` -> {image name: digest}; a UserError names the bad one."""
+    from components.images import IMAGES
+
+    names = {image.split(":")[0] for image in IMAGES}
+    digests: dict[str, str] = {}
+    for spec in specs:
+        name, _, digest = spec.partition("=")
+        if name not in names:
+            raise UserError(f"--digest {spec!r}: the image must be one of {sorted(names)}")
+        if not DIGEST.fullmatch(digest):
+            raise UserError(f"--digest {spec!r}: the digest must be sha256:<64 lowercase hex>")
+        digests[name] = digest
+    return digests
+
+
+def pipeline_ir(
+    pipeline: Any, registry: str | None = None, digests: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """The compiled IR documents: the pipeline spec and, when a step has Kubernetes settings, the platform spec.
+    The project's images get ``registry/`` in front and, where ``digests`` names them, ``@digest`` for the tag."""
     from kfp import compiler
 
     from components.images import IMAGES
@@ -32,12 +58,13 @@ def pipeline_ir(pipeline: Any, registry: str | None = None) -> list[dict[str, An
         path = Path(tmp) / "pipeline.yaml"
         compiler.Compiler().compile(pipeline, str(path))
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    if registry:
-        prefix = registry.rstrip("/") + "/"
-        for executor in docs[0]["deploymentSpec"]["executors"].values():
-            container = executor.get("container", {})
-            if container.get("image") in IMAGES:
-                container["image"] = prefix + container["image"]
+    prefix = registry.rstrip("/") + "/" if registry else ""
+    for executor in docs[0]["deploymentSpec"]["executors"].values():
+        container = executor.get("container", {})
+        if container.get("image") in IMAGES:
+            name = container["image"].split(":")[0]
+            digest = (digests or {}).get(name)
+            container["image"] = prefix + (f"{name}@{digest}" if digest else container["image"])
     return docs
 
 
@@ -46,7 +73,12 @@ def write_ir(docs: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def compile_all(output_dir: Path, names: Sequence[str] = (), registry: str | None = None) -> list[Path]:
+def compile_all(
+    output_dir: Path,
+    names: Sequence[str] = (),
+    registry: str | None = None,
+    digests: Mapping[str, str] | None = None,
+) -> list[Path]:
     from pipelines import get_pipelines
 
     available = get_pipelines()
@@ -54,7 +86,8 @@ def compile_all(output_dir: Path, names: Sequence[str] = (), registry: str | Non
     if unknown:
         raise UserError(f"unknown pipeline(s) {unknown}; available: {', '.join(available)}")
     return [
-        write_ir(pipeline_ir(available[name], registry), output_dir / f"{name}.yaml") for name in names or available
+        write_ir(pipeline_ir(available[name], registry, digests), output_dir / f"{name}.yaml")
+        for name in names or available
     ]
 
 
@@ -63,9 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", metavar="NAME", help="pipelines to compile (default: all)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="default: %(default)s")
     parser.add_argument("--registry", default=None, help="image registry prefix, e.g. registry.example.com/ml")
+    parser.add_argument(
+        "--digest",
+        action="append",
+        default=[],
+        metavar="IMAGE=DIGEST",
+        help="refer to IMAGE (fp8rl-component, fp8rl-runtime) by digest, e.g. fp8rl-runtime=sha256:<64 hex> as "
+        "`images/build.sh --push` prints it; repeatable",
+    )
     args = parser.parse_args(argv)
     try:
-        for path in compile_all(args.output_dir, args.names, args.registry):
+        digests = parse_digests(args.digest)
+        for path in compile_all(args.output_dir, args.names, args.registry, digests):
             print(f"wrote {path}")
     except UserError as e:
         print(f"pipelines.compile: error: {e}", file=sys.stderr)

@@ -77,12 +77,13 @@ def run_url(client: Any, run_id: str, host: str) -> str:
 
 def submit_to_kfp(args: argparse.Namespace, name: str, pipeline: Any, arguments: Mapping[str, Any]) -> str:
     """Compile ``pipeline``, submit one run, return its URL."""
-    from pipelines.compile import pipeline_ir, write_ir
+    from pipelines.compile import parse_digests, pipeline_ir, write_ir
 
+    digests = parse_digests(args.digest)
     check_reachable(args.host, args.token)
     client = make_client(args)
     with tempfile.TemporaryDirectory(prefix="fp8rl-submit-") as tmp:
-        package = write_ir(pipeline_ir(pipeline, args.registry), Path(tmp) / f"{name}.yaml")
+        package = write_ir(pipeline_ir(pipeline, args.registry, digests), Path(tmp) / f"{name}.yaml")
         result = client.create_run_from_pipeline_package(
             str(package),
             arguments=dict(arguments),
@@ -131,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--service-account", default=None, help="run the steps as this ServiceAccount (e.g. rl-fp8rl-pipeline)"
     )
     k.add_argument("--registry", default=None, help="image registry prefix (as pipelines.compile --registry)")
+    k.add_argument(
+        "--digest",
+        action="append",
+        default=[],
+        metavar="IMAGE=DIGEST",
+        help="refer to an image by digest (as pipelines.compile --digest); repeatable",
+    )
     return p
 
 

@@ -231,6 +231,20 @@ def test_compile_cli_writes_one_file_per_pipeline(tmp_path: Path, capsys: pytest
     assert capsys.readouterr().out.count("wrote ") == 3
 
 
+def test_compile_cli_refers_to_images_by_digest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    digest = "sha256:" + "0123456789abcdef" * 4
+    argv = ["--output-dir", str(tmp_path), "--registry", "r.example.com/ml", "--digest", f"fp8rl-runtime={digest}"]
+    assert main([*argv, "fp8-benchmark"]) == 0
+    images = {
+        c["image"] for c in executors(list(yaml.safe_load_all((tmp_path / "fp8-benchmark.yaml").read_text()))).values()
+    }
+    assert images == {f"r.example.com/ml/fp8rl-runtime@{digest}", f"r.example.com/ml/{COMPONENT_IMAGE}"}
+    for bad, why in (("fp8rl-gpu=" + digest, "must be one of"), ("fp8rl-runtime=sha256:ABC", "64 lowercase hex")):
+        assert main(["--output-dir", str(tmp_path / "bad"), "--digest", bad]) == 2
+        assert why in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_compile_cli_default_dir_and_selection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["fp8-rl"]) == 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 from kube_chart import CHART, REPO
 
 IMAGES = REPO / "images"
@@ -145,7 +146,13 @@ def test_runtime_installs_the_gpu_extra_at_the_pinned_versions() -> None:
     ):
         assert requirement in install, requirement
     assert global_args["CUDA_VERSION"].startswith("13."), "torch 2.11's PyPI wheels are CUDA 13 builds"
-    assert "-devel-" in build.base and "-base-" in final.base, "compilers in the build stage only"
+    assert (build.base, final.base) == ("${BUILD_BASE_IMAGE}", "${BASE_IMAGE}")
+    assert "-cudnn-devel-" in global_args["BUILD_BASE_IMAGE"] and "-base-" in global_args["BASE_IMAGE"], (
+        "compilers in the build stage only"
+    )
+    assert all(global_args[a].startswith("nvidia/cuda:${CUDA_VERSION}-") for a in ("BUILD_BASE_IMAGE", "BASE_IMAGE"))
+    te_build = next(r for r in build.args("RUN") if "NVTE_PYTORCH_FORCE_BUILD=TRUE" in r)
+    assert "-r requirements.txt" in te_build, "the dependencies are installed before the project's source is copied"
     env = " ".join(final.args("ENV"))
     assert "NVTE_CUDA_INCLUDE_PATH=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13/include" in env
 
@@ -155,10 +162,16 @@ def test_component_installs_the_project_without_gpu_extras() -> None:
     installs = build.pip_installs()
     assert "[gpu]" not in COMPONENT.read_text()
     (torch,) = [i for i in installs if any(w.startswith("torch==") for w in i)]
-    assert "torch==${TORCH_VERSION}+cpu" in torch and "${TORCH_INDEX_URL}" in torch
-    assert arg_defaults(build)["TORCH_VERSION"] == pins()["TORCH_VERSION"]
+    assert "torch==${TORCH_VERSION}${TORCH_VARIANT}" in torch and "${TORCH_INDEX_URL}" in torch
+    defaults = arg_defaults(build)
+    assert defaults["TORCH_VERSION"] == pins()["TORCH_VERSION"] and defaults["TORCH_VARIANT"] == "+cpu"
+    assert defaults["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    (deps,) = [i for i in installs if "requirements.txt" in i]
+    assert "mlflow-server-requirements.txt" in deps
     (project,) = [i for i in installs if "." in i]
-    assert project[project.index("-r") + 1] == "mlflow-server-requirements.txt"
+    assert "--no-deps" in project, "the dependencies come from the cached layer before the source"
+    global_args, stages = parse_dockerfile(COMPONENT)
+    assert global_args["BASE_IMAGE"] == "python:3.12-slim-bookworm" and {s.base for s in stages} == {"${BASE_IMAGE}"}
 
 
 def test_mlflow_server_requirements_are_pinned() -> None:
@@ -202,6 +215,54 @@ def test_build_script_passes_the_pins_and_tags_the_chart_images() -> None:
     # the chart's default images are these names at the chart's appVersion
     chart_values = (CHART / "values.yaml").read_text()
     assert "repository: fp8rl-runtime" in chart_values and "repository: fp8rl-component" in chart_values
+
+
+def test_build_script_builds_the_images_the_pipelines_name(tmp_path: Path) -> None:
+    """What `pipelines.compile --registry R` puts in the IR is exactly what `REGISTRY=R images/build.sh` tags."""
+    env = {"PATH": "/usr/bin:/bin", "REGISTRY": "registry.example.com/ml"}
+    proc = subprocess.run(
+        ["bash", str(IMAGES / "build.sh"), "--dry-run"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    tagged = {shlex.split(x[2:])[-2] for x in proc.stdout.splitlines() if x.startswith("+ ")}
+    subprocess.run(
+        [sys.executable, "-m", "pipelines.compile", "--output-dir", str(tmp_path), "--registry", env["REGISTRY"]],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
+    named = set()
+    for ir in tmp_path.glob("*.yaml"):
+        spec = next(yaml.safe_load_all(ir.read_text()))
+        named |= {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
+    assert named == tagged, (named, tagged)
+
+
+def test_build_script_local_base_and_save(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        ["bash", str(IMAGES / "build.sh"), "--dry-run", "--local-base", "--save", str(tmp_path), "component"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "TORCH_INDEX_URL": "https://pypi.org/simple", "TORCH_VARIANT": ""},
+    )
+    assert proc.returncode == 0, proc.stderr
+    build, save, rename = (shlex.split(x[2:]) for x in proc.stdout.splitlines() if x.startswith("+ "))
+    assert build[:2] == ["podman", "build"], "--local-base needs podman (or DOCKER=buildah)"
+    build_args = dict(build[i + 1].split("=", 1) for i, w in enumerate(build) if w == "--build-arg")
+    assert build_args["BASE_IMAGE"] == "localhost/fp8rl-base/python:3.12-noble"
+    assert build_args["TORCH_INDEX_URL"] == "https://pypi.org/simple" and build_args["TORCH_VARIANT"] == ""
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    archive = f"{tmp_path}/fp8rl-component-{version}.oci.tar"
+    assert save == ["podman", "save", "--format", "oci-archive", "-o", f"{archive}.tmp", f"fp8rl-component:{version}"]
+    assert rename == ["mv", f"{archive}.tmp", archive], "the archive appears whole or not at all"
+    refused = subprocess.run(
+        ["bash", str(IMAGES / "build.sh"), "--dry-run", "--save", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "DOCKER": "docker"},
+    )
+    assert refused.returncode != 0 and "need podman or buildah" in refused.stderr
 
 
 def test_build_script_refuses_unknown_arguments() -> None:
