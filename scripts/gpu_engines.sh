@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The production engines on the lent GPU machine (offline; each command at most 10 minutes; /tmp lasts while the
-# machine stays warm, about 30 s between commands). vLLM 0.26.0 travels in two parts and TransformerEngine 2.20.2
-# in one (../shared/device/{vllm,te}/pack.sh make .carry/vllm1, .carry/vllm2, .carry/te). One step per device call,
+# machine stays warm, about 30 s between commands). vLLM 0.26.0 travels in two parts and TransformerEngine in one
+# (../shared/device/{vllm,te}/pack.sh make .carry/vllm1, .carry/vllm2, .carry/te; the TE pack script brings 2.20.2,
+# the project pins 2.19.0: set its version strings to 2.19.0 first, docs/te.md). One step per device call,
 # issued back to back:
 #   bash scripts/gpu_engines.sh te-setup .carry/te        unpack TE, start its torch-extension build (background)
 #   bash scripts/gpu_engines.sh vllm-part .carry/vllm1    the first half of vLLM

@@ -121,11 +121,19 @@ def test_build_copies_the_project_and_its_constraints(dockerfile: Path) -> None:
     ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().splitlines()
     assert ignore[ignore.index("*") :][0] == "*", "the context ignores everything it does not list"
     for src in copied:
-        assert (
-            f"!{src}" in ignore or f"!{src}/" in ignore or (src.startswith("images/") and "!images/*.txt" in ignore)
-        ), src
+        assert f"!{src}" in ignore or f"!{src}/" in ignore or (src.endswith(".txt") and "!images/*.txt" in ignore), (
+            f"{src} is not in the build context: add it to {dockerfile.name}.dockerignore"
+        )
+    # The component image installs at constraints.txt; the runtime image at constraints.txt with the pins vLLM's
+    # tree needs instead, merged into one file (pip refuses two files that pin one package differently).
+    constraints = "runtime-constraints.txt" if dockerfile == RUNTIME else "constraints.txt"
     for install in build.pip_installs():
-        assert install[install.index("-c") + 1] == "constraints.txt", f"pip install {install} lacks -c constraints.txt"
+        assert install[install.index("-c") + 1] == constraints, f"pip install {install} lacks -c {constraints}"
+    if dockerfile == RUNTIME:
+        assert any(
+            "python merge_constraints.py constraints.txt runtime-overrides.txt > runtime-constraints.txt" in r
+            for r in build.args("RUN")
+        )
 
 
 def test_runtime_installs_the_gpu_extra_at_the_pinned_versions() -> None:
@@ -172,6 +180,43 @@ def test_component_installs_the_project_without_gpu_extras() -> None:
     assert "--no-deps" in project, "the dependencies come from the cached layer before the source"
     global_args, stages = parse_dockerfile(COMPONENT)
     assert global_args["BASE_IMAGE"] == "python:3.12-slim-bookworm" and {s.base for s in stages} == {"${BASE_IMAGE}"}
+
+
+def merge(tmp_path: Path, base: str, overrides: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "base.txt").write_text(base)
+    (tmp_path / "over.txt").write_text(overrides)
+    return subprocess.run(
+        [sys.executable, str(IMAGES / "merge_constraints.py"), str(tmp_path / "base.txt"), str(tmp_path / "over.txt")],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_merge_constraints_replaces_and_appends(tmp_path: Path) -> None:
+    proc = merge(
+        tmp_path, "# pins\nFastAPI==0.165.0\nnumpy==2.4.6\nzipp==4.1.2\n", "fastapi==0.136.3  # vLLM\nnew_pkg==1\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["fastapi==0.136.3", "numpy==2.4.6", "zipp==4.1.2", "new_pkg==1"]
+    stale = merge(tmp_path, "numpy==2.4.6\n", "numpy==2.4.6\n")
+    assert stale.returncode != 0 and "already pinned so" in stale.stderr and "numpy==2.4.6" in stale.stderr
+    bad = merge(tmp_path, "numpy==2.4.6\n", "numpy>=2\n")
+    assert bad.returncode != 0 and "over.txt:1: not a 'name==version' pin" in bad.stderr
+
+
+def test_runtime_overrides_apply_to_constraints() -> None:
+    """Every override changes a pin of constraints.txt (none stale), and the merge keeps every other pin."""
+    proc = subprocess.run(
+        [sys.executable, str(IMAGES / "merge_constraints.py"), str(REPO / "constraints.txt"),
+         str(IMAGES / "runtime-overrides.txt")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    merged = dict(line.split("==") for line in proc.stdout.splitlines())
+    base = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line)
+    changed = {name for name in base if merged[name] != base[name]}
+    overrides = [x for x in (IMAGES / "runtime-overrides.txt").read_text().splitlines() if x and x[0] != "#"]
+    assert changed == {x.split("==")[0] for x in overrides} and merged.keys() == base.keys()
 
 
 def test_mlflow_server_requirements_are_pinned() -> None:
