@@ -254,10 +254,32 @@ class RayConfig(_Strict):
     # a dead worker is replaced and the run resumes from its last checkpoint, at most this often
     max_restarts: int = Field(2, ge=0)
     object_store_mb: int = Field(512, ge=64)
-    # weight sync trainer rank 0 -> rollout workers: through the Ray object store, or a bucketed
-    # broadcast over a process group of its own (NCCL on GPUs, gloo on CPUs; fp8rl.sync.nccl)
-    sync: Literal["objectstore", "collective"] = "objectstore"
+    # weight sync trainer rank 0 -> rollout workers: through the Ray object store, a bucketed broadcast
+    # over a process group of its own (NCCL on GPUs, gloo on CPUs; fp8rl.sync.nccl), or CUDA IPC
+    # (colocated on GPUs: rollout worker i maps trainer rank i's packed payload on their GPU; fp8rl.sync.ipc)
+    sync: Literal["objectstore", "collective", "ipc"] = "objectstore"
     sync_bucket_mb: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _ipc_needs_a_trainer_rank_per_engine(self) -> RayConfig:
+        if self.sync != "ipc":
+            return self
+        if self.layout != "colocated":
+            raise ValueError(
+                "ray.sync 'ipc' maps the trainer's GPU memory into the rollout worker on the same GPU: "
+                "it needs ray.layout 'colocated' (split layouts use 'collective' or 'objectstore')"
+            )
+        if self.trainer_sharding == "fsdp" and self.rollout_workers != 1:
+            raise ValueError(
+                "ray.sync 'ipc' with ray.trainer_sharding 'fsdp' serves one rollout worker (trainer rank 0 holds "
+                f"the gathered weights); got ray.rollout_workers {self.rollout_workers}"
+            )
+        if self.rollout_workers > self.trainer_workers:
+            raise ValueError(
+                "ray.sync 'ipc' pairs rollout worker i with trainer rank i on one GPU: ray.rollout_workers "
+                f"({self.rollout_workers}) must not exceed ray.trainer_workers ({self.trainer_workers})"
+            )
+        return self
 
 
 class RolloutConfig(_Strict):

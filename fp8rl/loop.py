@@ -323,6 +323,10 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "time/logprob_s": t2 - t_scored,
         "time/train_s": t3 - t2,
         "time/sync_s": t4 - t3,  # the push and, with an FP8 KV cache, the recalibration (its part below)
+        # parts of the push as its transport times them: requantize (+ pack), then transfer + load (+ verify);
+        # the Ray object-store path times only the whole (load = all of it, requantize 0)
+        "time/sync_requantize_s": stats.requantize_seconds,
+        "time/sync_load_s": stats.load_seconds,
         **({"time/kv_calibrate_s": t4 - t_pushed} if kv else {}),
         "time/step_s": t4 - t0,
         "throughput/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),

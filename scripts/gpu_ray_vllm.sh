@@ -10,6 +10,8 @@
 #                                                        (/tmp there lasts ~30 s after a command); the last one
 #                                                        unpacks vLLM and installs Ray into /tmp/site
 #   bash scripts/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
+#   bash scripts/gpu_ray_vllm.sh ipc                     the CUDA IPC sync: its GPU tests, then the same benchmark with
+#                                                        ray.sync ipc (RECIPES) and objectstore (STORE_RECIPES), detached
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command
 # Results: $OUT/bench_step.json, bench_step.md and ray_vllm.log.
 set -uo pipefail
@@ -60,16 +62,27 @@ case $step in
     PYTHONPATH=/tmp/site python3 -c "import ray, vllm; print('IMPORT_OK ray', ray.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
     echo "SETUP_SECONDS $(( $(date +%s) - T0 ))"
     ;;
-  run|poll)
+  run|ipc|poll)
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
     mkdir -p $RES
+    bench() {  # bench <config> <recipes> <out dir>
+      echo "python3 -m fp8rl bench step --shape ${SHAPE:-llama-1b} --config $1 --recipes $2 --prompts ${PROMPTS:-16} \
+        --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow \
+        --out $3 --work-dir /tmp/work"
+    }
     if [ "$step" = run ]; then
+      job="$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES)"
+    elif [ "$step" = ipc ]; then
+      # the CUDA IPC transport's GPU tests, then the step with ray.sync ipc and, in the same call, objectstore
+      job="python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_sync.py tests/gpu/test_ray_ipc_sync.py \
+        > $RES/pytest_ipc.log 2>&1; tail -n 3 $RES/pytest_ipc.log; \
+        $(bench docs/configs/bench-vllm-ray-ipc.yaml "${RECIPES:-bf16,fp8-e2e}" $RES/ipc) && \
+        $(bench docs/configs/bench-vllm-ray.yaml "${STORE_RECIPES:-fp8-e2e}" $RES/objectstore)"
+    fi
+    if [ "$step" != poll ]; then
       rm -f $RES/done
-      setsid nohup bash -c "python3 -m fp8rl bench step --shape ${SHAPE:-llama-1b} --config docs/configs/bench-vllm-ray.yaml \
-        --recipes ${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml} --prompts ${PROMPTS:-16} --samples 8 \
-        --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow --out $RES \
-        --work-dir /tmp/work > $RES/ray_vllm.log 2>&1; echo EXIT \$? >> $RES/ray_vllm.log; touch $RES/done" \
+      setsid nohup bash -c "($job) > $RES/ray_vllm.log 2>&1; echo EXIT \$? >> $RES/ray_vllm.log; touch $RES/done" \
         > /dev/null 2>&1 < /dev/null &
     fi
     t0=$(date +%s); seen=0
@@ -77,7 +90,8 @@ case $step in
       sleep 5; n=$(wc -l < $RES/ray_vllm.log 2>/dev/null || echo 0)
       [ "$n" -gt "$seen" ] && { sed -n "$((seen + 1)),${n}p" $RES/ray_vllm.log | grep -v "Warning\|warn(" | cut -c1-250; seen=$n; }
     done
-    cp -f $RES/*.json $RES/*.md $RES/*.log "$OUT"/ 2>/dev/null
+    (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' | while read -r f; do
+      mkdir -p "$OUT/$(dirname "$f")" && cp -f "$f" "$OUT/$f"; done)
     [ -e $RES/done ] && echo "RUN DONE: $(tail -n 1 $RES/ray_vllm.log)" || echo "RUN STILL GOING: poll"
     ;;
   *) echo "unknown step $step"; exit 2;;

@@ -235,10 +235,12 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
                 f"FP8 KV-cache recalibration {r.kv_calibrate_s:.3f} s of the sync" if r.kv_calibrate_s is not None else "",
                 f"the sleeping rollout engine freed {r.rollout_sleep_freed_gb:.1f} GB for training"
                 if r.rollout_sleep_freed_gb is not None else "",
+                f"sync: requantize {r.sync_requantize_s:.3f} s, transfer and load {r.sync_load_s:.3f} s"
+                if r.sync_requantize_s > 0 else "",
             ) if part
         )
         for r in results
-        if r.kv_calibrate_s is not None or r.rollout_sleep_freed_gb is not None
+        if r.kv_calibrate_s is not None or r.rollout_sleep_freed_gb is not None or r.sync_requantize_s > 0
     ]  # fmt: skip
     if notes:
         lines += ["", *notes]

@@ -46,6 +46,8 @@ STEP_METRICS: dict[str, str] = {
     "time/logprob_s": "logprob_s",
     "time/train_s": "train_s",
     "train/padding_waste": "padding_waste",
+    "time/sync_requantize_s": "sync_requantize_s",
+    "time/sync_load_s": "sync_load_s",
 }
 # reported only by some engines and recipes (absent otherwise)
 OPTIONAL_STEP_METRICS: dict[str, str] = {
@@ -73,6 +75,9 @@ class ThroughputResult:
     logprob_s: float = 0.0
     train_s: float = 0.0
     padding_waste: float = 0.0
+    # parts of sync_s as the transport timed them: requantize (+ pack), transfer + load (+ verify)
+    sync_requantize_s: float = 0.0
+    sync_load_s: float = 0.0
     peak_memory_gb: float | None = None  # this process's peak CUDA allocation (None: CPU, or Ray actors)
     # part of sync_s: the FP8 KV-cache recalibration after the push (None: a bf16 KV cache)
     kv_calibrate_s: float | None = None

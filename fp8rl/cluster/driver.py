@@ -241,6 +241,7 @@ class RayParts:
     # set when RayConfig.sync is "collective": what the broadcast carries, agreed once
     sync_layout: Any = None
     kv_cache: str = "bf16"  # the recipe's; fp8: calibrate_kv recalibrates the engines' scales
+    ipc: bool = False  # RayConfig.sync "ipc": each rollout worker maps its trainer rank's packed payload
 
     def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
         """FP8 KV cache: scales from trainer rank 0's policy (every rank's forward when sharded), written into
@@ -256,6 +257,8 @@ class RayParts:
     def push_weights(self, version: int) -> SyncStats:
         if self.sync_layout is not None:
             return self._push_collective(version)
+        if self.ipc:
+            return self._push_ipc(version)
         t0 = time.perf_counter()
         # requantized once, on trainer rank 0; the payload stays in the object store and each
         # rollout worker fetches it by reference (sharded: every rank joins the gather of the weights)
@@ -283,6 +286,28 @@ class RayParts:
         engine.policy_version = version
         nbytes, requant_s, transfer_s = sent
         return SyncStats(version, int(nbytes), len(self.fp8_names), requant_s, transfer_s, self.verify)
+
+    def _push_ipc(self, version: int) -> SyncStats:
+        """Trainer rank i packs its requantized payload into a device buffer; rollout worker i, on the same GPU,
+        maps it through CUDA IPC and loads from it; then the buffers are freed (sharded: every rank joins the
+        gather, rank 0 shares)."""
+        engine, trainer = self.engine, self.trainer
+        senders = trainer.actors if trainer.sharded else trainer.actors[: len(engine.actors)]
+        names = trainer.names[: len(senders)]
+        shared = trainer.calls.get([a.share_rollout_payload.remote(self.fp8_names) for a in senders],
+                                   [f"{n}.share_rollout_payload" for n in names])  # fmt: skip
+        try:
+            engine.wake_up()
+            loads = [a.load_shared.remote(shared[i][0], version, self.verify) for i, a in enumerate(engine.actors)]
+            loaded = engine.calls.get(loads, [f"{n}.load_shared" for n in engine.names])
+        finally:
+            trainer.calls.get([a.release_shared.remote() for a in senders], [f"{n}.release_shared" for n in names])
+        engine.sleep()
+        engine.policy_version = version
+        requant_s = max(s[1] for s in shared if s is not None)
+        return SyncStats(
+            version, int(loaded[0][0]), len(self.fp8_names), requant_s, max(b[1] for b in loaded), self.verify
+        )
 
     def save_policy(self, output_dir: str | Path) -> None:
         self.trainer.lead("save_policy", str(output_dir), self.model_dir)
@@ -395,6 +420,14 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     rc = cfg.ray or RayConfig()
     calls = _Calls(rc.actor_timeout_s)
     where = _place(rc, calls)
+    if rc.sync == "ipc" and not where.use_gpu:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(where.group)
+        raise UserError(
+            "ray.sync 'ipc' shares GPU memory between the trainer and rollout workers (CUDA IPC); this Ray has "
+            f"{len(_bundles(rc, True))} GPU bundle(s) to place but not enough GPUs: use 'objectstore' or 'collective'"
+        )
     trainers, rollouts = _start_actors(cfg, model_dir, where, calls)
     r_names = _names_of("rollout", rc.rollout_workers)
     fp8_names = calls.get(rollouts[0].fp8_weight_names.remote(), "rollout-0")
@@ -413,7 +446,7 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     )
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
-        fp8_names, layout, cfg.recipe.kv_cache,
+        fp8_names, layout, cfg.recipe.kv_cache, rc.sync == "ipc",
     )  # fmt: skip
 
 

@@ -21,13 +21,17 @@ payload (FP8 + scales for the quantized linears), which the driver passes by ref
 through the Ray object store to every rollout worker; each loads it in place and can
 verify it holds exactly that payload.  With ``RayConfig.sync`` "collective", rank 0 and the
 rollout workers form a process group of their own instead, and rank 0 broadcasts the payload
-in buckets straight into the engines (``fp8rl.sync.nccl``).
+in buckets straight into the engines (``fp8rl.sync.nccl``).  With "ipc" (colocated, GPUs),
+trainer rank i packs its requantized payload into one device buffer and rollout worker i, on the
+same GPU, maps that buffer through a CUDA IPC handle and loads from it (``fp8rl.sync.ipc``): no
+host copy and no collective.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any, Literal
 
 import torch
@@ -40,6 +44,7 @@ from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout
+from fp8rl.sync.ipc import SharedPayload, open_payload, release, share_payload
 from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
 from fp8rl.sync.wire import WirePayload, from_wire, to_wire
 from fp8rl.train.trainer import SequenceBatch
@@ -105,6 +110,7 @@ class TrainerWorker:
             )
         self.trainer = build_trainer(self.cfg, model_dir, device)
         self.sharded = self.trainer.sharded
+        self._shared_buffer: torch.Tensor | None = None  # what share_rollout_payload handed out (CUDA IPC)
         if world_size > 1 and not self.sharded:
             self.trainer.optimizer.grad_reducer = self._sum_across_ranks
 
@@ -150,6 +156,27 @@ class TrainerWorker:
         if weights is None:
             return None
         return to_wire(requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg)))
+
+    def share_rollout_payload(self, fp8_names: list[str]) -> tuple[SharedPayload, float] | None:
+        """CUDA IPC sync: the requantized payload packed into one device buffer this rank keeps until
+        ``release_shared``; (its handle, seconds to requantize and pack).  Replicated, every rank answers
+        with its own (identical) weights, for the rollout worker on its GPU; sharded, rank 0 after the gather."""
+        self.release_shared()
+        t0 = time.perf_counter()
+        weights = self._full_weights() if self.sharded else self.trainer.hf_state_dict()
+        if weights is None:
+            return None
+        payload = requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg))
+        shared, buffer = share_payload(payload)
+        del payload, weights
+        torch.cuda.synchronize(buffer.device)
+        self._shared_buffer = buffer
+        return shared, time.perf_counter() - t0
+
+    def release_shared(self) -> None:
+        """Drop the buffer the last ``share_rollout_payload`` shared (its receivers are done with it)."""
+        self._shared_buffer = None
+        release()
 
     def init_sync_group(self, init_method: str, world_size: int, fp8_names: list[str], bucket_mb: int) -> None:
         """Join the sync group as its rank 0 (the sender), beside the data-parallel group."""
@@ -241,6 +268,20 @@ class RolloutWorker:
         if verify:
             verify_engine_weights(self.engine, payload, version)
         return payload_bytes(payload)
+
+    def load_shared(self, shared: SharedPayload, version: int, verify: bool) -> tuple[int, float]:
+        """CUDA IPC sync: load from the trainer's shared buffer in place, then unmap it; (bytes, seconds)."""
+        t0 = time.perf_counter()
+        payload, buffer = open_payload(shared)
+        try:
+            self.engine.load_weights(payload, version)
+            if verify:
+                verify_engine_weights(self.engine, payload, version)
+            nbytes = payload_bytes(payload)
+            torch.cuda.synchronize(buffer.device)  # every copy out of the sender's memory has finished
+        finally:
+            del payload, buffer
+        return nbytes, time.perf_counter() - t0
 
     def init_sync_group(self, init_method: str, rank: int, world_size: int) -> None:
         """Join the sync group as a receiver (rank >= 1)."""

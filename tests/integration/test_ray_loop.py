@@ -279,3 +279,17 @@ def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engi
     want = kv_scale_metrics(expected)
     assert {k: v for k, v in metrics.items() if k != "kv/calibration_s"} == want and metrics["kv/calibration_s"] > 0
     ray.kill(trainer)
+
+
+def test_ipc_sync_is_refused_without_gpus(local_ray: object, warm_model: Path, tmp_path: Path) -> None:
+    """CUDA IPC needs the trainer and the engine on one GPU: on a CPU Ray the step stops before any actor starts,
+    and gives its placement group back (tests/gpu/test_ipc_sync.py runs the transport on a GPU)."""
+    from fp8rl.cluster.driver import create_ray_parts
+    from fp8rl.errors import UserError
+
+    cfg = _cfg("fp8-e2e", RayConfig(layout="colocated", sync="ipc"), tmp_path, steps=1)
+    with pytest.raises(UserError, match=r"ray.sync 'ipc' shares GPU memory .* use 'objectstore' or 'collective'"):
+        create_ray_parts(cfg, warm_model, log=lambda _s: None)
+    from ray.util import placement_group_table
+
+    assert all(g["state"] == "REMOVED" for g in placement_group_table().values())

@@ -124,3 +124,16 @@ def test_trainer_sharding_is_a_ray_setting_for_the_torch_trainer() -> None:
         parse_run_config({"recipe": {**E2E, "trainer": "te"}, "ray": {"trainer_sharding": "fsdp"}})
     with pytest.raises(ConfigError, match=r"trainer_sharding"):
         parse_run_config({"recipe": E2E, "ray": {"trainer_sharding": "zero3"}})
+
+
+def test_ipc_sync_pairs_each_rollout_worker_with_a_trainer_rank_on_its_gpu() -> None:
+    ok = parse_run_config({"recipe": E2E, "ray": {"trainer_workers": 2, "rollout_workers": 2, "layout": "colocated",
+                                                   "sync": "ipc"}})  # fmt: skip
+    assert ok.ray is not None and ok.ray.sync == "ipc"
+    with pytest.raises(ConfigError, match=r"ray.sync 'ipc' .* needs ray.layout 'colocated'"):
+        parse_run_config({"recipe": E2E, "ray": {"sync": "ipc"}})
+    with pytest.raises(ConfigError, match=r"must not exceed ray.trainer_workers \(1\)"):
+        parse_run_config({"recipe": E2E, "ray": {"rollout_workers": 2, "layout": "colocated", "sync": "ipc"}})
+    with pytest.raises(ConfigError, match=r"'fsdp' serves one rollout worker .* got ray.rollout_workers 2"):
+        parse_run_config({"recipe": E2E, "ray": {"trainer_workers": 2, "rollout_workers": 2, "layout": "colocated",
+                                                 "trainer_sharding": "fsdp", "sync": "ipc"}})  # fmt: skip
