@@ -33,7 +33,10 @@ shared = pickle.load(open(sys.argv[1], "rb"))
 payload, buffer = open_payload(shared)
 sums = payload_checksums(payload, shared.layout, "cuda").cpu().tolist()
 fp8 = sorted(k for k, v in payload.items() if hasattr(v, "scale_inv"))
-print(json.dumps({"sums": sums, "fp8": fp8, "nbytes": buffer.numel(), "device": str(buffer.device)}))
+out = {"sums": sums, "fp8": fp8, "nbytes": buffer.numel(), "device": str(buffer.device)}
+del payload, buffer  # unmaps: torch tells the sender through the shared reference count (a worker does the same)
+torch.cuda.synchronize()
+print(json.dumps(out))
 """
 
 

@@ -225,6 +225,7 @@ def test_convert_component_through_the_kfp_launcher_entry(
 def test_runtime_image_imports_without_a_gpu(runtime_image: str) -> None:
     code = (
         "import json, importlib.metadata as md, torch, vllm, transformer_engine, ray, fp8rl, components, pipelines\n"
+        "import transformer_engine.pytorch, vllm.entrypoints.llm, fp8rl.train.te_trainer, fp8rl.rollout.vllm_engine\n"
         "print(json.dumps({n: md.version(n) for n in ('torch', 'vllm', 'transformer-engine', 'ray', 'fp8rl')}"
         " | {'cuda': torch.version.cuda, 'gpu': torch.cuda.is_available()}))"
     )
