@@ -1,0 +1,174 @@
+"""Where a vLLM decode step goes beyond the bytes it must read (issue 17: "find why FP8 KV does not pay").
+
+Random Qwen2.5-3B-shaped Llama (``gpu_vllm_throughput.py``'s checkpoints), BF16 and block FP8 + FP8 KV cache, batch
+256, 64-token prompts, ``--max-tokens`` responses (EOS ignored), CUDA graphs on.  Per variant, the same generate with
+the sampling options fp8rl's engine sets (a seed per request, the sampled token's logprob) and without them, so the
+cost of each shows; then one shorter generate under the torch profiler, its CUDA kernel time by category against the
+wall time (the rest is the host: scheduling, sampling launches, Python).  Next to it the bytes roofline: weights +
+the mean KV cache read per decode step at the copy bandwidth measured in the same process.
+
+    python scripts/gpu_vllm_overhead.py [--variants bf16,fp8-kv] [--max-tokens 1024] [--batch 256]
+
+Writes $OUT/gpu_vllm_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from typing import Any
+
+from gpu_vllm import OUT, WORK, engine, free_gpu, kernel_names, start_report
+from gpu_vllm_throughput import QWEN3B, write_random_3b
+
+MODES = {  # name: (a seed per request, the sampled token's logprob)
+    "seeded+logprobs (fp8rl)": (True, True),
+    "seeded": (True, False),
+    "logprobs": (False, True),
+    "neither": (False, False),
+}
+
+
+def category(kernel: str) -> str:
+    k = kernel.lower()
+    if "flash" in k or "fwd_kernel" in k or "attn" in k or "attention" in k:
+        return "attention"
+    if "gemm" in k or "cutlass" in k or "sm90" in k or "matmul" in k or "cublas" in k or "nvjet" in k:
+        return "gemm"
+    if any(s in k for s in ("exponential", "softmax", "topk", "sort", "argmax", "sample", "gather", "scatter")):
+        return "sampling/logprobs"
+    if "cache" in k or "reshape_and_cache" in k:
+        return "kv write"
+    return "other"
+
+
+def copy_bandwidth() -> float:
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def roofline(variant: str, batch: int, prompt: int, tokens: int, bandwidth: float) -> dict[str, float]:
+    c = QWEN3B
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    head = c["vocab_size"] * h  # tied: the embedding is read as the lm_head every step
+    weight_bytes = linear * (1 if variant != "bf16" else 2) + head * 2
+    kv_elem = 1 if variant == "fp8-kv" else 2
+    mean_context = prompt + tokens / 2
+    kv_bytes = batch * mean_context * layers * 2 * kv * kv_elem
+    return {
+        "weight_gb": weight_bytes / 1e9,
+        "mean_kv_gb": kv_bytes / 1e9,
+        "roofline_step_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3,
+    }
+
+
+def profile(e: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        e.llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    by_cat: dict[str, float] = defaultdict(float)
+    top: dict[str, float] = defaultdict(float)
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+        if us and evt.device_type == torch.autograd.DeviceType.CUDA:
+            by_cat[category(evt.key)] += us / 1e3
+            top[evt.key[:90]] += us / 1e3
+    kernels_ms = sum(by_cat.values())
+    return {
+        "wall_ms": wall * 1e3,
+        "kernel_ms": kernels_ms,
+        "gpu_idle_share": max(0.0, 1 - kernels_ms / (wall * 1e3)),
+        "kernel_ms_by_category": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:15]),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="bf16,fp8-kv")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--profile-tokens", type=int, default=128)
+    args = p.parse_args()
+    import torch
+
+    from fp8rl.config import RolloutConfig, load_recipe
+
+    results = start_report()
+    out = OUT / "gpu_vllm_overhead.json"
+    bw = copy_bandwidth()
+    results.update(copy_bandwidth_gb_s=bw / 1e9, batch=args.batch, max_tokens=args.max_tokens, variants={})
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)
+    fp8_dir = write_random_3b(WORK / "qwen3b-fp8", fp8=True)
+    rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.4, enforce_eager=False, max_model_len=2304)
+    gen = torch.Generator().manual_seed(0)
+    prompts_ids = torch.randint(10, 150_000, (args.batch, 64), generator=gen).tolist()
+    for variant in args.variants.split(","):
+        recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
+        if variant == "fp8-kv":
+            recipe = recipe.model_copy(update={"kv_cache": "fp8"})
+        e = engine(bf16_dir if variant == "bf16" else fp8_dir, recipe, WORK / "o", rollout=rollout)
+        v = e._vllm
+        prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids]
+
+        def params(seeded: bool, logprobs: bool, tokens: int, v: Any = v) -> list[Any]:
+            return [
+                v.SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
+                                 seed=1_000_003 + i if seeded else None, logprobs=0 if logprobs else None)
+                for i in range(args.batch)
+            ]  # fmt: skip
+
+        entry: dict[str, Any] = {"kernels": kernel_names(e), "modes": {}}
+        entry["roofline"] = roofline(variant, args.batch, 64, args.max_tokens, bw)
+        try:
+            e.llm.generate(prompts[:16], params(True, True, 32)[:16], use_tqdm=False)  # warm-up
+            for mode, (seeded, logprobs) in MODES.items():
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                outs = e.llm.generate(prompts, params(seeded, logprobs, args.max_tokens), use_tqdm=False)
+                seconds = time.perf_counter() - t
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                run = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
+                       "ms_per_decode_step": seconds / args.max_tokens * 1e3}  # fmt: skip
+                entry["modes"][mode] = run
+                print(f"{variant} {mode}: {json.dumps(run)}", flush=True)
+            for mode in ("seeded+logprobs (fp8rl)", "neither"):
+                seeded, logprobs = MODES[mode]
+                prof = profile(e, prompts, params(seeded, logprobs, args.profile_tokens))
+                entry[f"profile {mode}"] = prof
+                print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
+        except Exception as err:  # recorded, and the next variant still runs
+            entry["error"] = repr(err)
+            print(f"{variant} FAILED: {err!r}", flush=True)
+        finally:
+            e.close()
+            free_gpu()
+        results["variants"][variant] = entry
+        out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
