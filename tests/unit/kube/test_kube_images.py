@@ -104,8 +104,16 @@ def test_multi_stage_non_root_final_image(dockerfile: Path) -> None:
     _, stages = parse_dockerfile(dockerfile)
     build, final = stages[0], stages[-1]
     assert len(stages) == 2 and build.name == "build" and final.name is None
-    assert final.args("COPY") == ["--from=build /opt/venv /opt/venv"], "the final stage gets the venv only"
-    assert not final.pip_installs(), "nothing is pip-installed in the final stage"
+    copies = final.args("COPY")
+    assert copies[0] == "--from=build /opt/venv /opt/venv", "the final stage gets the dependencies' venv first"
+    assert all(not c.startswith("--from") for c in copies[1:]), "then only the project's own files"
+    # the project alone, on top of the cached venv layer: a source change re-copies no dependency
+    (install,) = final.pip_installs()
+    assert "--no-deps" in install and install[-1] == "." and "--no-cache-dir" in install
+    assert any("pip check" in r and "rm -rf /tmp/fp8rl-src" in r for r in final.args("RUN"))
+    assert not build.args("COPY") or all("fp8rl" not in c.split()[:-1] for c in build.args("COPY")), (
+        "the build stage holds no project source, so a source change keeps its layers and the venv's"
+    )
     (user,) = final.args("USER")
     uid = arg_defaults(final)["UID"]
     assert user == "${UID}:${UID}" and uid == "1000", "the chart runs pods as uid/gid 1000"
@@ -115,8 +123,10 @@ def test_multi_stage_non_root_final_image(dockerfile: Path) -> None:
 
 @pytest.mark.parametrize("dockerfile", [RUNTIME, COMPONENT], ids=lambda p: p.name)
 def test_build_copies_the_project_and_its_constraints(dockerfile: Path) -> None:
-    _, (build, _) = parse_dockerfile(dockerfile)
-    copied = {src for c in build.args("COPY") for src in c.split()[:-1]}
+    _, (build, final) = parse_dockerfile(dockerfile)
+    copied = {
+        src for c in build.args("COPY") + final.args("COPY") if not c.startswith("--from") for src in c.split()[:-1]
+    }
     assert {"constraints.txt", "pyproject.toml", "README.md", "fp8rl", "components", "pipelines"} <= copied
     ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().splitlines()
     assert ignore[ignore.index("*") :][0] == "*", "the context ignores everything it does not list"
@@ -142,10 +152,11 @@ def test_runtime_installs_the_gpu_extra_at_the_pinned_versions() -> None:
     defaults = arg_defaults(build)
     for name, version in expected.items():
         assert defaults[name] == version, f"Dockerfile.runtime ARG {name}={defaults[name]}, pinned {version}"
-    project = [i for i in build.pip_installs() if ".[gpu]" in i]
-    assert len(project) == 1, build.pip_installs()
-    install = project[0]
+    # the gpu extra's pins (pyproject.toml), with ray and torch, in the build stage's dependency install
+    (install,) = [i for i in build.pip_installs() if "-r" in i and "requirements.txt" in i]
     assert "--no-build-isolation" in install
+    (project,) = final.pip_installs()
+    assert "--no-build-isolation" in project, "the project builds with the venv's pinned setuptools"
     for requirement in (
         "torch==${TORCH_VERSION}",
         "vllm==${VLLM_VERSION}",
@@ -166,8 +177,8 @@ def test_runtime_installs_the_gpu_extra_at_the_pinned_versions() -> None:
 
 
 def test_component_installs_the_project_without_gpu_extras() -> None:
-    _, (build, _) = parse_dockerfile(COMPONENT)
-    installs = build.pip_installs()
+    _, (build, final) = parse_dockerfile(COMPONENT)
+    installs = build.pip_installs() + final.pip_installs()
     assert "[gpu]" not in COMPONENT.read_text()
     (torch,) = [i for i in installs if any(w.startswith("torch==") for w in i)]
     assert "torch==${TORCH_VERSION}${TORCH_VARIANT}" in torch and "${TORCH_INDEX_URL}" in torch
