@@ -44,21 +44,6 @@ def category(kernel: str) -> str:
     return "other"
 
 
-def copy_bandwidth() -> float:
-    import torch
-
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)
-
-
 def roofline(variant: str, batch: int, prompt: int, tokens: int, bandwidth: float) -> dict[str, float]:
     c = QWEN3B
     h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
@@ -113,11 +98,12 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from fp8rl.bench.kernels import copy_bandwidth_gbs
     from fp8rl.config import RolloutConfig, load_recipe
 
     results = start_report()
     out = OUT / "gpu_vllm_overhead.json"
-    bw = copy_bandwidth()
+    bw = copy_bandwidth_gbs() * 1e9
     results.update(copy_bandwidth_gb_s=bw / 1e9, batch=args.batch, max_tokens=args.max_tokens, variants={})
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)

@@ -229,19 +229,17 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
             f"{r.train_tokens_per_s:,.0f} | {x('train')} | {r.padding_waste:.1%} | {peak} |"
         )
-    notes = [
-        f"- {r.recipe}: " + "; ".join(
-            part for part in (
-                f"FP8 KV-cache recalibration {r.kv_calibrate_s:.3f} s of the sync" if r.kv_calibrate_s is not None else "",
-                f"the sleeping rollout engine freed {r.rollout_sleep_freed_gb:.1f} GB for training"
-                if r.rollout_sleep_freed_gb is not None else "",
-                f"sync: requantize {r.sync_requantize_s:.3f} s, transfer and load {r.sync_load_s:.3f} s"
-                if r.sync_requantize_s > 0 else "",
-            ) if part
-        )
-        for r in results
-        if r.kv_calibrate_s is not None or r.rollout_sleep_freed_gb is not None or r.sync_requantize_s > 0
-    ]  # fmt: skip
+    notes = []
+    for r in results:
+        parts = [
+            f"FP8 KV-cache recalibration {r.kv_calibrate_s:.3f} s of the sync" if r.kv_calibrate_s is not None else "",
+            f"the sleeping rollout engine freed {r.rollout_sleep_freed_gb:.1f} GB for training"
+            if r.rollout_sleep_freed_gb is not None else "",
+            f"sync: requantize {r.sync_requantize_s:.3f} s, transfer and load {r.sync_load_s:.3f} s"
+            if r.sync_requantize_s > 0 else "",
+        ]  # fmt: skip
+        if any(parts):
+            notes.append(f"- {r.recipe}: " + "; ".join(p for p in parts if p))
     if notes:
         lines += ["", *notes]
     return doc, "\n".join(lines) + "\n"

@@ -44,6 +44,7 @@ from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 from fp8rl.sync.buckets import SyncLayout
+from fp8rl.sync.inprocess import Payload
 from fp8rl.sync.ipc import SharedPayload, open_payload, release, share_payload
 from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
 from fp8rl.sync.wire import WirePayload, from_wire, to_wire
@@ -155,7 +156,11 @@ class TrainerWorker:
         weights = self._full_weights()
         if weights is None:
             return None
-        return to_wire(requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg)))
+        return to_wire(self._requantized(weights, fp8_names))
+
+    def _requantized(self, weights: dict[str, torch.Tensor], fp8_names: list[str]) -> Payload:
+        """``weights`` requantized with the rollout recipe: what every sync transport sends."""
+        return requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg))
 
     def share_rollout_payload(self, fp8_names: list[str]) -> tuple[SharedPayload, float] | None:
         """CUDA IPC sync: the requantized payload packed into one device buffer this rank keeps until
@@ -166,10 +171,10 @@ class TrainerWorker:
         weights = self._full_weights() if self.sharded else self.trainer.hf_state_dict()
         if weights is None:
             return None
-        payload = requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg))
+        payload = self._requantized(weights, fp8_names)
         shared, buffer = share_payload(payload)
         del payload, weights
-        torch.cuda.synchronize(buffer.device)
+        torch.cuda.synchronize(buffer.device)  # the seconds returned include the pack
         self._shared_buffer = buffer
         return shared, time.perf_counter() - t0
 

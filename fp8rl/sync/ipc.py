@@ -42,7 +42,6 @@ class SharedPayload:
     layout: SyncLayout
     bucket: Bucket
     device_uuid: str
-    device_index: int  # the sender's index of that device
     rebuild: Any  # torch's rebuild function and its arguments, as reduce_tensor gives them
     args: tuple[Any, ...]
 
@@ -80,7 +79,7 @@ def share_payload(payload: Payload) -> tuple[SharedPayload, torch.Tensor]:
             f"torch's CUDA tensor reduction changed its layout (argument {_DEVICE_ARG} is {args[_DEVICE_ARG]!r}, "
             f"not the device index {index}); fp8rl.sync.ipc needs updating for this torch"
         )
-    return SharedPayload(layout, bucket, device_uuid(index), index, rebuild, tuple(args)), buffer
+    return SharedPayload(layout, bucket, device_uuid(index), rebuild, tuple(args)), buffer
 
 
 def local_device(uuid: str) -> int:
