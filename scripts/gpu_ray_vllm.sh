@@ -12,7 +12,9 @@
 #   bash scripts/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
 #   bash scripts/gpu_ray_vllm.sh ipc                     the CUDA IPC sync: its GPU tests, then the same benchmark with
 #                                                        ray.sync ipc (RECIPES) and objectstore (STORE_RECIPES), detached
+#   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command
+# PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
 # Results: $OUT/bench_step.json, bench_step.md and ray_vllm.log.
 set -uo pipefail
 step=${1:?step}; arg=${2:-}
@@ -62,7 +64,7 @@ case $step in
     PYTHONPATH=/tmp/site python3 -c "import ray, vllm; print('IMPORT_OK ray', ray.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
     echo "SETUP_SECONDS $(( $(date +%s) - T0 ))"
     ;;
-  run|ipc|poll)
+  run|ipc|overhead|poll)
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
     mkdir -p $RES
@@ -71,11 +73,15 @@ case $step in
         --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow \
         --out $3 --work-dir /tmp/work"
     }
-    if [ "$step" = run ]; then
-      job="$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES)"
+    tests=""
+    [ -n "${PYTEST:-}" ] && tests="python3 -m pytest -q -p no:cacheprovider $PYTEST > $RES/pytest.log 2>&1; tail -n 3 $RES/pytest.log; "
+    if [ "$step" = overhead ]; then
+      job="OUT=$RES python3 scripts/gpu_vllm_overhead.py ${ARGS:-}"
+    elif [ "$step" = run ]; then
+      job="$tests$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES)"
     elif [ "$step" = ipc ]; then
       # the CUDA IPC transport's GPU tests, then the step with ray.sync ipc and, in the same call, objectstore
-      job="python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_sync.py tests/gpu/test_ray_ipc_sync.py \
+      job="${tests}python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_sync.py tests/gpu/test_ray_ipc_sync.py \
         > $RES/pytest_ipc.log 2>&1; tail -n 3 $RES/pytest_ipc.log; \
         $(bench docs/configs/bench-vllm-ray-ipc.yaml "${RECIPES:-bf16,fp8-e2e}" $RES/ipc) && \
         $(bench docs/configs/bench-vllm-ray.yaml "${STORE_RECIPES:-fp8-e2e}" $RES/objectstore)"

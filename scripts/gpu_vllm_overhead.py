@@ -1,13 +1,16 @@
 """Where a vLLM decode step goes beyond the bytes it must read (issue 17: "find why FP8 KV does not pay").
 
-Random Qwen2.5-3B-shaped Llama (``gpu_vllm_throughput.py``'s checkpoints), BF16 and block FP8 + FP8 KV cache, batch
-256, 64-token prompts, ``--max-tokens`` responses (EOS ignored), CUDA graphs on.  Per variant, the same generate with
-the sampling options fp8rl's engine sets (a seed per request, the sampled token's logprob) and without them, so the
-cost of each shows; then one shorter generate under the torch profiler, its CUDA kernel time by category against the
-wall time (the rest is the host: scheduling, sampling launches, Python).  Next to it the bytes roofline: weights +
-the mean KV cache read per decode step at the copy bandwidth measured in the same process.
+Random Qwen2.5-3B-shaped Llama (``gpu_vllm_throughput.py``'s checkpoints), BF16, block FP8, block FP8 + FP8 KV
+cache; 64-token prompts, responses of a fixed length (EOS ignored), CUDA graphs on.  Per variant, the same generate
+(``--batch`` x ``--max-tokens``) with the sampling options fp8rl's engine sets (a seed per request, the sampled
+token's logprob as vLLM's flat lists), with the per-token logprob dicts it set before, and with neither, so the cost
+of each shows; then the long-response run (``--long-batch`` x ``--long-tokens``, where the KV cache read outweighs
+the weights) with and without fp8rl's options; then one shorter generate under the torch profiler, its CUDA kernel
+time by category against the wall time (the rest is the host: scheduling, sampling launches, Python).  Next to it
+the bytes roofline: weights + the mean KV cache read per decode step at the copy bandwidth measured in the same process.
 
-    python scripts/gpu_vllm_overhead.py [--variants bf16,fp8-kv] [--max-tokens 1024] [--batch 256]
+    python scripts/gpu_vllm_overhead.py [--variants bf16,fp8,fp8-kv] [--max-tokens 1024] [--batch 256]
+        [--long-tokens 4096] [--long-batch 128]   (--long-tokens 0: no long run)
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -23,11 +26,11 @@ from typing import Any
 from gpu_vllm import OUT, WORK, engine, free_gpu, kernel_names, start_report
 from gpu_vllm_throughput import QWEN3B, write_random_3b
 
-MODES = {  # name: (a seed per request, the sampled token's logprob)
-    "seeded+logprobs (fp8rl)": (True, True),
-    "seeded": (True, False),
-    "logprobs": (False, True),
-    "neither": (False, False),
+FP8RL = "seeded+flat logprobs (fp8rl)"
+MODES = {  # name: (a seed per request, the sampled token's logprob, as vLLM's flat lists)
+    FP8RL: (True, True, True),
+    "seeded+logprob dicts": (True, True, False),
+    "neither": (False, False, False),
 }
 
 
@@ -91,9 +94,11 @@ def profile(e: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="bf16,fp8-kv")
+    p.add_argument("--variants", default="bf16,fp8,fp8-kv")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--long-batch", type=int, default=128)
+    p.add_argument("--long-tokens", type=int, default=4096)
     p.add_argument("--profile-tokens", type=int, default=128)
     args = p.parse_args()
     import torch
@@ -105,44 +110,63 @@ def main() -> None:
     out = OUT / "gpu_vllm_overhead.json"
     bw = copy_bandwidth_gbs() * 1e9
     results.update(copy_bandwidth_gb_s=bw / 1e9, batch=args.batch, max_tokens=args.max_tokens, variants={})
+    results.update(long_batch=args.long_batch, long_tokens=args.long_tokens)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)
     fp8_dir = write_random_3b(WORK / "qwen3b-fp8", fp8=True)
-    rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.4, enforce_eager=False, max_model_len=2304)
+    model_len = 64 + max(args.max_tokens, args.long_tokens) + 64
+    rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.55, enforce_eager=False, max_model_len=model_len)
     gen = torch.Generator().manual_seed(0)
-    prompts_ids = torch.randint(10, 150_000, (args.batch, 64), generator=gen).tolist()
+    prompts_ids = torch.randint(10, 150_000, (max(args.batch, args.long_batch), 64), generator=gen).tolist()
     for variant in args.variants.split(","):
         recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
         if variant == "fp8-kv":
             recipe = recipe.model_copy(update={"kv_cache": "fp8"})
         e = engine(bf16_dir if variant == "bf16" else fp8_dir, recipe, WORK / "o", rollout=rollout)
         v = e._vllm
-        prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids]
 
-        def params(seeded: bool, logprobs: bool, tokens: int, v: Any = v) -> list[Any]:
+        def params(mode: str, tokens: int, n: int, v: Any = v) -> list[Any]:
+            seeded, logprobs, flat = MODES[mode]
             return [
                 v.SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
-                                 seed=1_000_003 + i if seeded else None, logprobs=0 if logprobs else None)
-                for i in range(args.batch)
+                                 seed=1_000_003 + i if seeded else None, logprobs=0 if logprobs else None,
+                                 flat_logprobs=flat)
+                for i in range(n)
             ]  # fmt: skip
 
-        entry: dict[str, Any] = {"kernels": kernel_names(e), "modes": {}}
+        def timed(mode: str, tokens: int, n: int, v: Any = v, e: Any = e) -> dict[str, float]:
+            prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:n]]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs = e.llm.generate(prompts, params(mode, tokens, n), use_tqdm=False)
+            seconds = time.perf_counter() - t
+            got = sum(len(o.outputs[0].token_ids) for o in outs)
+            return {"tokens": got, "seconds": seconds, "tokens_per_s": got / seconds,
+                    "ms_per_decode_step": seconds / tokens * 1e3}  # fmt: skip
+
+        entry: dict[str, Any] = {"kernels": kernel_names(e), "modes": {}, "long": {}}
         entry["roofline"] = roofline(variant, args.batch, 64, args.max_tokens, bw)
         try:
-            e.llm.generate(prompts[:16], params(True, True, 32)[:16], use_tqdm=False)  # warm-up
-            for mode, (seeded, logprobs) in MODES.items():
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                outs = e.llm.generate(prompts, params(seeded, logprobs, args.max_tokens), use_tqdm=False)
-                seconds = time.perf_counter() - t
-                n = sum(len(o.outputs[0].token_ids) for o in outs)
-                run = {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
-                       "ms_per_decode_step": seconds / args.max_tokens * 1e3}  # fmt: skip
-                entry["modes"][mode] = run
-                print(f"{variant} {mode}: {json.dumps(run)}", flush=True)
-            for mode in ("seeded+logprobs (fp8rl)", "neither"):
-                seeded, logprobs = MODES[mode]
-                prof = profile(e, prompts, params(seeded, logprobs, args.profile_tokens))
+            e.llm.generate(
+                [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]],
+                params(FP8RL, 32, 16),
+                use_tqdm=False,
+            )  # warm-up
+            for mode in MODES:
+                entry["modes"][mode] = timed(mode, args.max_tokens, args.batch)
+                print(f"{variant} {mode}: {json.dumps(entry['modes'][mode])}", flush=True)
+                out.write_text(json.dumps({**results, "variants": {**results["variants"], variant: entry}}, indent=1))
+            if args.long_tokens:
+                entry["long_roofline"] = roofline(variant, args.long_batch, 64, args.long_tokens, bw)
+                for mode in (FP8RL, "neither"):
+                    entry["long"][mode] = timed(mode, args.long_tokens, args.long_batch)
+                    print(f"{variant} long {mode}: {json.dumps(entry['long'][mode])}", flush=True)
+                    out.write_text(
+                        json.dumps({**results, "variants": {**results["variants"], variant: entry}}, indent=1)
+                    )
+            prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[: args.batch]]
+            for mode in (FP8RL, "neither"):
+                prof = profile(e, prompts, params(mode, args.profile_tokens, args.batch))
                 entry[f"profile {mode}"] = prof
                 print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
         except Exception as err:  # recorded, and the next variant still runs

@@ -259,39 +259,61 @@ class VLLMRolloutEngine:
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one non-empty prompt")
         v = self._vllm
+        prompts = [v.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        params = self.request_params(sampling, len(prompt_ids), ignore_eos=ignore_eos)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return rollout_from_outputs(prompt_ids, [o.outputs[0] for o in outputs], self.pad_token_id, self.policy_version)
+
+    def request_params(
+        self, sampling: SamplingParams, n: int, ignore_eos: bool = False, flat_logprobs: bool = True
+    ) -> list[Any]:
+        """vLLM ``SamplingParams`` for ``n`` requests: one seeded stream each (equal prompts sample differently),
+        the sampled token's logprob only, as flat lists by default (no dict and ``Logprob`` per token: host time
+        in every decode step, issue 17)."""
         ignore_eos = ignore_eos or sampling.ignore_eos
-        params = [
-            v.SamplingParams(
+        return [
+            self._vllm.SamplingParams(
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens,
-                seed=sampling.seed * 1_000_003 + i,  # one stream per request: equal prompts sample differently
+                seed=sampling.seed * 1_000_003 + i,
                 stop_token_ids=[] if ignore_eos else self.stop_token_ids,
                 ignore_eos=ignore_eos,
-                logprobs=0,  # the sampled token's logprob only
+                logprobs=0,
+                flat_logprobs=flat_logprobs,
                 detokenize=False,
             )
-            for i in range(len(prompt_ids))
+            for i in range(n)
         ]
-        prompts = [v.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return rollout_from_outputs(prompt_ids, [o.outputs[0] for o in outputs], self.pad_token_id, self.policy_version)
 
 
 def rollout_from_outputs(prompt_ids: list[list[int]], completions: list[Any], pad: int, version: int) -> Rollout:
-    """vLLM ``CompletionOutput``s (``token_ids``, ``logprobs`` list of {token: Logprob}, ``finish_reason``)
-    -> a right-padded ``Rollout``; ``finished`` is a stop on EOS (``finish_reason == "stop"``)."""
+    """vLLM ``CompletionOutput``s (``token_ids``, ``logprobs``, ``finish_reason``) -> a right-padded ``Rollout``;
+    ``finished`` is a stop on EOS (``finish_reason == "stop"``).  ``logprobs`` is vLLM's ``FlatLogprobs`` (what
+    ``generate`` asks for) or its list of {token: Logprob} per position."""
     n, width = len(completions), max(1, max(len(c.token_ids) for c in completions))
     ids = torch.full((n, width), pad, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.float32)
     lps = torch.zeros((n, width), dtype=torch.float32)
     for i, c in enumerate(completions):
         tokens = list(c.token_ids)
-        if c.logprobs is None or len(c.logprobs) != len(tokens):
-            raise RuntimeError(f"vLLM returned {len(c.logprobs or [])} logprobs for {len(tokens)} tokens")
         ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[i, : len(tokens)] = 1.0
-        lps[i, : len(tokens)] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens, strict=True)])
+        lps[i, : len(tokens)] = torch.tensor(sampled_logprobs(c.logprobs, tokens), dtype=torch.float32)
     finished = torch.tensor([c.finish_reason == "stop" for c in completions], dtype=torch.bool)
     return Rollout([list(p) for p in prompt_ids], ids, mask, lps, finished, version)
+
+
+def sampled_logprobs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """The logprob vLLM reported for each sampled token, checked against the token it was reported for."""
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise RuntimeError(f"vLLM returned {len(logprobs or [])} logprobs for {len(tokens)} tokens")
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:  # one {token: Logprob} per position
+        return [step[t].logprob for step, t in zip(logprobs, tokens, strict=True)]
+    # FlatLogprobs: every position's entries in flat lists, the sampled token's first (vLLM's sampler order)
+    flat_ids, flat_lps = logprobs.token_ids, logprobs.logprobs
+    if [flat_ids[s] for s in starts] != tokens:
+        raise RuntimeError("vLLM's flat logprobs do not start with the sampled tokens at every position")
+    return [flat_lps[s] for s in starts]

@@ -67,6 +67,21 @@ def test_generate_shapes_and_logprobs(tiny_models: dict[str, Path], tmp_path: Pa
         assert e.policy_version == r.policy_version == 0
 
 
+def test_flat_logprobs_equal_vllms_per_token_dicts(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """generate asks vLLM for flat logprob lists; the per-token dicts of the same seeded requests agree exactly."""
+    from fp8rl.rollout.vllm_engine import rollout_from_outputs
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+    with engine(tiny_models["small"], tmp_path) as e:
+        flat = e.generate(PROMPTS, sampling)
+        prompts = [e._vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+        outs = e.llm.generate(prompts, e.request_params(sampling, len(PROMPTS), flat_logprobs=False), use_tqdm=False)
+        assert all(isinstance(o.outputs[0].logprobs, list) for o in outs)  # the dict form really ran
+        dicts = rollout_from_outputs(PROMPTS, [o.outputs[0] for o in outs], e.pad_token_id, e.policy_version)
+    assert torch.equal(flat.response_ids, dicts.response_ids)
+    torch.testing.assert_close(flat.logprobs, dicts.logprobs, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout"])
 def test_load_weights_is_bit_exact_including_partial_payloads(
     tiny_models: dict[str, Path], tmp_path: Path, recipe: str

@@ -279,6 +279,30 @@ def test_rollout_from_outputs_pads_masks_and_marks_eos() -> None:
         ve.rollout_from_outputs([[1]], [short], pad=0, version=0)
 
 
+class _FlatLogprobs(list):  # vLLM's FlatLogprobs: a sequence of positions backed by flat lists
+    def __init__(self, positions: list[list[tuple[int, float]]]) -> None:
+        super().__init__(positions)
+        self.start_indices, self.token_ids, self.logprobs = [], [], []
+        for entries in positions:
+            self.start_indices.append(len(self.token_ids))
+            for token, logprob in entries:
+                self.token_ids.append(token)
+                self.logprobs.append(logprob)
+
+
+def test_rollout_from_outputs_reads_flat_logprobs_at_each_positions_first_entry() -> None:
+    # position 1 also carries a top-1 entry after the sampled token; only the sampled one is read
+    flat = _FlatLogprobs([[(7, -0.5)], [(2, -1.0), (5, -0.25)], [(4, -2.0)]])
+    out = SimpleNamespace(token_ids=[7, 2, 4], logprobs=flat, finish_reason="length")
+    r = ve.rollout_from_outputs([[1]], [out], pad=0, version=1)
+    assert r.logprobs.tolist() == [[-0.5, -1.0, -2.0]] and r.response_ids.tolist() == [[7, 2, 4]]
+    wrong = SimpleNamespace(token_ids=[7, 5, 4], logprobs=flat, finish_reason="length")
+    with pytest.raises(RuntimeError, match="do not start with the sampled tokens"):
+        ve.rollout_from_outputs([[1]], [wrong], pad=0, version=1)
+    with pytest.raises(RuntimeError, match="3 logprobs for 2 tokens"):
+        ve.sampled_logprobs(flat, [7, 2])
+
+
 # ---- KV-cache scales --------------------------------------------------------------------------------
 def test_scale_and_quantile_math() -> None:
     assert kv_calibration.scale_from_amax(448.0, 1.1) == pytest.approx(1.1)
