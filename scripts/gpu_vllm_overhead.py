@@ -18,6 +18,7 @@ Writes $OUT/gpu_vllm_overhead.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import defaultdict
@@ -27,10 +28,12 @@ from gpu_vllm import OUT, WORK, engine, free_gpu, kernel_names, start_report
 from gpu_vllm_throughput import QWEN3B, write_random_3b
 
 FP8RL = "seeded+flat logprobs (fp8rl)"
+GC_OFF = "seeded+flat logprobs, gc off"
 MODES = {  # name: (a seed per request, the sampled token's logprob, as vLLM's flat lists)
     FP8RL: (True, True, True),
     "seeded+logprob dicts": (True, True, False),
     "neither": (False, False, False),
+    GC_OFF: (True, True, True),  # Python's collector paused during the generate, one full collection after (timed)
 }
 
 
@@ -99,7 +102,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--long-batch", type=int, default=128)
     p.add_argument("--long-tokens", type=int, default=4096)
-    p.add_argument("--profile-tokens", type=int, default=128)
+    p.add_argument("--profile-tokens", type=int, default=128, help="0: no profiled generate")
+    p.add_argument("--repeats", type=int, default=1, help="timed generates per mode, the mode order rotated each time")
     args = p.parse_args()
     import torch
 
@@ -138,7 +142,14 @@ def main() -> None:
             prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:n]]
             torch.cuda.synchronize()
             t = time.perf_counter()
-            outs = e.llm.generate(prompts, params(mode, tokens, n), use_tqdm=False)
+            if mode == GC_OFF:
+                gc.disable()
+            try:
+                outs = e.llm.generate(prompts, params(mode, tokens, n), use_tqdm=False)
+            finally:
+                if mode == GC_OFF:
+                    gc.enable()
+                    gc.collect()
             seconds = time.perf_counter() - t
             got = sum(len(o.outputs[0].token_ids) for o in outs)
             return {"tokens": got, "seconds": seconds, "tokens_per_s": got / seconds,
@@ -152,10 +163,16 @@ def main() -> None:
                 params(FP8RL, 32, 16),
                 use_tqdm=False,
             )  # warm-up
-            for mode in MODES:
-                entry["modes"][mode] = timed(mode, args.max_tokens, args.batch)
-                print(f"{variant} {mode}: {json.dumps(entry['modes'][mode])}", flush=True)
-                out.write_text(json.dumps({**results, "variants": {**results["variants"], variant: entry}}, indent=1))
+            names = list(MODES)
+            for r in range(args.repeats):
+                for mode in names[r % len(names) :] + names[: r % len(names)]:
+                    run = timed(mode, args.max_tokens, args.batch)
+                    entry["modes"].setdefault(mode, {"runs": []})["runs"].append(run)
+                    print(f"{variant} {mode} (repeat {r + 1}): {json.dumps(run)}", flush=True)
+                    out.write_text(json.dumps({**results, "variants": {**results["variants"], variant: entry}}))
+            for runs in entry["modes"].values():
+                steps = sorted(x["ms_per_decode_step"] for x in runs["runs"])
+                runs.update(median_ms_per_decode_step=steps[len(steps) // 2], min_ms=steps[0], max_ms=steps[-1])
             if args.long_tokens:
                 entry["long_roofline"] = roofline(variant, args.long_batch, 64, args.long_tokens, bw)
                 for mode in (FP8RL, "neither"):
@@ -165,7 +182,7 @@ def main() -> None:
                         json.dumps({**results, "variants": {**results["variants"], variant: entry}}, indent=1)
                     )
             prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[: args.batch]]
-            for mode in (FP8RL, "neither"):
+            for mode in (FP8RL, "neither") if args.profile_tokens else ():
                 prof = profile(e, prompts, params(mode, args.profile_tokens, args.batch))
                 entry[f"profile {mode}"] = prof
                 print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
