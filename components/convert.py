@@ -16,8 +16,7 @@ def convert_to_fp8(model: Input[Model], recipe: str, fp8_model: Output[Model], r
     from fp8rl.checkpoint import REPORT_MD, ConvertOptions, convert_checkpoint
     from fp8rl.config import load_recipe
 
-    q = load_recipe(recipe).quant
-    opts = ConvertOptions(q.granularity, q.pow2_scales, q.bf16_first_layers, q.bf16_last_layers, q.weight_block, q.fmt)
+    opts = ConvertOptions.from_recipe(load_recipe(recipe))
     convert_checkpoint(model.path, fp8_model.path, opts, overwrite=True, show_progress=False)
     shutil.copyfile(Path(fp8_model.path) / REPORT_MD, report.path)
-    fp8_model.metadata.update({**model.metadata, "recipe": recipe, "granularity": q.granularity})
+    fp8_model.metadata.update({**model.metadata, "recipe": recipe, "granularity": opts.granularity})

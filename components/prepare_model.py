@@ -11,6 +11,6 @@ def prepare_model(source: str, seed: int, model: Output[Model]) -> None:
     """``source``: a tiny preset (``tiny``, ``small``, ``tiny-odd``; no download), a checkpoint directory
     (e.g. on a mounted volume: ``/data/models/Qwen3-0.6B``), ``file://<dir>``, or ``hf://<org>/<name>[@<revision>]``
     (Hugging Face Hub, token from ``$HF_TOKEN``). The model's origin is recorded in the artifact's metadata."""
-    from components.model_import import materialize_model
+    from fp8rl.models import import_model
 
-    model.metadata.update(materialize_model(source, seed, model.path))
+    model.metadata.update(import_model(source, model.path, seed=seed, overwrite=True))

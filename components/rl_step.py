@@ -44,7 +44,7 @@ def rl_step(
 
         run_id = tracked_run(cfg, model.path, parent_run_id=ref.run_id, output_dir=trained.path, tags=tags).run_id
     else:
-        from components.rayjob_backend import run_rl_step_as_rayjob
+        from fp8rl.kube.rl_step import run_rl_step_as_rayjob
 
         run_id = run_rl_step_as_rayjob(cfg, model.path, trained.path, ref.run_id, tags, rayjob_template, timeout_s)
     log_kfp_metrics(metrics, run_metrics(run_id, ref.work_dir, prefix="summary/"))

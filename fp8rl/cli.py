@@ -39,19 +39,35 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+QUANT_FLAGS = ("granularity", "pow2_scales", "bf16_first_layers", "bf16_last_layers")
+
+
 def _options(args: argparse.Namespace) -> ConvertOptions:
+    """The quant flags, or ``--recipe``'s options (``convert``); a flag given with a recipe must agree with it."""
+    import dataclasses
+
     from fp8rl.checkpoint import ConvertOptions
 
+    given = {f: getattr(args, f) for f in QUANT_FLAGS if getattr(args, f) is not None}  # convert: None = not given
     for field in ("bf16_first_layers", "bf16_last_layers"):
-        if getattr(args, field) < 0:
-            raise UserError(f"--{field.replace('_', '-')} must be >= 0, got {getattr(args, field)}")
-    return ConvertOptions(
-        granularity=args.granularity,
-        pow2_scales=args.pow2_scales,
-        bf16_first_layers=args.bf16_first_layers,
-        bf16_last_layers=args.bf16_last_layers,
-        partial_tiles=getattr(args, "partial_tiles", "keep"),
-    )
+        if given.get(field, 0) < 0:
+            raise UserError(f"--{field.replace('_', '-')} must be >= 0, got {given[field]}")
+    if getattr(args, "recipe", None) is None:
+        opts = ConvertOptions(**given)
+    else:
+        from fp8rl.config import load_recipe
+
+        opts = ConvertOptions.from_recipe(load_recipe(args.recipe))
+        clashes = [
+            f"--{f.replace('_', '-')}{'' if v is True else f' {v}'} but recipe.quant.{f} is {getattr(opts, f)}"
+            for f, v in given.items()
+            if getattr(opts, f) != v
+        ]
+        if clashes:
+            raise UserError(
+                f"--recipe {args.recipe}: " + "; ".join(clashes) + " (drop the flag, or use a recipe with that value)"
+            )
+    return dataclasses.replace(opts, partial_tiles=getattr(args, "partial_tiles", "keep"))
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -239,6 +255,14 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_model(args: argparse.Namespace) -> int:
+    from fp8rl.models import import_model
+
+    origin = import_model(args.source, args.dst, seed=args.seed, overwrite=args.overwrite)
+    print(f"imported {origin['source']} to {args.dst}")
+    return 0
+
+
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
     from fp8rl.diagnose import diagnose_run
@@ -325,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     _add_quant_args(p)
+    p.add_argument(
+        "--recipe", default=None, metavar="NAME_OR_FILE",
+        help="take the options from a recipe's quant (bf16 | fp8-rollout | fp8-e2e | recipe.yaml) instead of the "
+        "flags above; a flag given with it must agree",
+    )  # fmt: skip
+    p.set_defaults(**dict.fromkeys(QUANT_FLAGS))  # None = not given: _options tells a flag from a recipe's value
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_convert)
 
@@ -349,6 +379,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_cmd_import_gguf)
+
+    p = sub.add_parser(
+        "import-model", help="a starting checkpoint from a source (tiny preset, directory, hf://) -> an HF checkpoint"
+    )
+    p.add_argument(
+        "source", help="tiny | small | tiny-odd (no download) | DIR | file://DIR | hf://ORG/NAME[@REVISION] ($HF_TOKEN)"
+    )
+    p.add_argument("dst")
+    p.add_argument("--seed", type=int, default=0, help="a tiny preset's weights (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.set_defaults(func=_cmd_import_model)
 
     p = sub.add_parser(
         "diagnose", help="attribute a recipe's FP8 disagreement to decoder layers; recommend BF16 layers"

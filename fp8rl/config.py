@@ -67,11 +67,18 @@ class QuantConfig(_Strict):
 
 
 class NoCorrection(_Strict):
+    """No mismatch correction: every token weighs 1 (``fp8rl.rl.mismatch_correction``)."""
+
     type: Literal["none"] = "none"
 
 
 class TISCorrection(_Strict):
-    """Truncated importance sampling: w = min(rho, threshold), rho = exp(lp_train - lp_rollout)."""
+    """Truncated importance sampling: w = min(rho, threshold), rho = exp(lp_train - lp_rollout).
+
+    level:     "token" uses rho_t; "sequence" uses prod_t rho_t for every token of the sequence.
+    threshold: C, the cap on the weight (Yao et al. use single-digit caps; 2 keeps the variance
+               low while leaving room above 1).
+    """
 
     type: Literal["tis"] = "tis"
     level: Literal["token", "sequence"] = "token"
@@ -79,7 +86,12 @@ class TISCorrection(_Strict):
 
 
 class MISCorrection(_Strict):
-    """Masked importance sampling: drop tokens (or sequences) whose ratio leaves [low, high]."""
+    """Masked importance sampling: drop tokens (or sequences) whose ratio leaves [low, high].
+
+    level:     as TIS.
+    low, high: the window of ratios kept; it contains 1, so an on-policy token is never dropped.
+               0.5 and 2.0 make it symmetric in log space, |log rho| <= log 2.
+    """
 
     type: Literal["mis"] = "mis"
     level: Literal["token", "sequence"] = "token"
@@ -90,15 +102,38 @@ class MISCorrection(_Strict):
 Correction = Annotated[NoCorrection | TISCorrection | MISCorrection, Field(discriminator="type")]
 
 
+LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+
+
 class GRPOConfig(_Strict):
-    """GRPO as a configuration of PPO-clip (defaults: DAPO clip-higher and token-mean aggregation)."""
+    """GRPO as a configuration of PPO-clip (defaults: DAPO clip-higher and token-mean aggregation).
+
+    group_size responses per prompt, prompts_per_step prompts a step; std_normalize and
+    leave_one_out shape the advantages (``fp8rl.rl.grpo_advantages``).  The rest is the loss
+    (``fp8rl.rl.policy_loss``):
+
+    clip_low:  ratio is clipped below at ``1 - clip_low``; 0.2 as PPO (Schulman et al. 2017) and GRPO.
+    clip_high: ratio is clipped above at ``1 + clip_high``; 0.28 is DAPO's "clip-higher" (Yu et al.
+               2025), which leaves low-probability tokens room to grow and so delays entropy
+               collapse.  Set 0.2 for PPO/GRPO.
+    dual_clip: ``None`` (off), or the constant ``c > 1`` of dual-clip PPO (Ye et al. 2020,
+               "Mastering Complex Control in MOBA Games"): for negative advantages the per-token
+               loss is capped at ``-c * A``.  3.0 (``fp8rl.rl.DUAL_CLIP_YE_ET_AL``) is the paper's
+               and veRL's value.
+    loss_agg:  "token-mean" averages over every valid token of the batch (DAPO; veRL
+               ``loss_agg_mode``'s default), so long responses weigh in per token;
+               "seq-mean-token-mean" averages each sequence's tokens and then the sequences
+               (original GRPO), so every response weighs the same.
+    kl_coef:   weight of the k3 KL(pi || pi_ref) penalty (GRPO's beta); 0 (off) as DAPO and
+               Dr. GRPO.  Needs reference log-probs when non-zero.
+    """
 
     group_size: int = Field(8, ge=2)
     prompts_per_step: int = Field(32, ge=1)
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)
     clip_high: float = Field(0.28, ge=0.0)
     dual_clip: float | None = Field(None, gt=1.0)
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: LossAgg = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0)
     std_normalize: bool = True
     leave_one_out: bool = False
@@ -380,11 +415,19 @@ def load_recipe(name_or_path: str) -> Recipe:
     path = RECIPE_DIR / f"{name_or_path}.yaml" if name_or_path in BUILTIN_RECIPES else Path(name_or_path)
     if not path.is_file():
         raise ConfigError(f"recipe {name_or_path!r}: not a built-in recipe {list(BUILTIN_RECIPES)} nor a file")
+    return parse_recipe(read_yaml(path), str(path))
+
+
+def read_yaml(path: Path, mapping_of: str | None = None) -> Any:
+    """The YAML document in ``path`` (which exists); a ``ConfigError`` naming the file if it is not valid YAML or,
+    with ``mapping_of``, not a mapping (``mapping_of`` says of what, for the message)."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return parse_recipe(data, str(path))
+    if mapping_of is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: {mapping_of}, got {type(data).__name__}")
+    return data
 
 
 def load_run_config_data(path: str | Path) -> dict[str, Any]:
@@ -392,12 +435,7 @@ def load_run_config_data(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: run config file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a run config must be a mapping of RunConfig fields, got {type(data).__name__}")
+    data: dict[str, Any] = read_yaml(path, mapping_of="a run config must be a mapping of RunConfig fields")
     return data
 
 

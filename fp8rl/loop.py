@@ -27,11 +27,11 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import ConfigError, JsonlTaskConfig, RunConfig
+from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
-from fp8rl.rl import CorrectionConfig, PolicyLossConfig, grpo_advantages, mismatch_correction, mismatch_metrics
+from fp8rl.rl import grpo_advantages, mismatch_correction, mismatch_metrics
 from fp8rl.rollout.base import LocalEngine, RolloutGenerator, SamplingParams
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.run_state import (
@@ -75,18 +75,6 @@ def quant_spec(cfg: RunConfig) -> QuantSpec:
     return cfg.recipe.quant.spec()
 
 
-def correction_config(cfg: RunConfig) -> CorrectionConfig:
-    c = cfg.recipe.correction
-    return CorrectionConfig(**c.model_dump())
-
-
-def loss_config(cfg: RunConfig) -> PolicyLossConfig:
-    g = cfg.grpo
-    return PolicyLossConfig(
-        clip_low=g.clip_low, clip_high=g.clip_high, dual_clip=g.dual_clip, loss_agg=g.loss_agg, kl_coef=g.kl_coef
-    )
-
-
 class Parts(Protocol):
     """What one RL run drives: a tokenizer, a rollout side, a training side and the sync between them.
 
@@ -125,7 +113,7 @@ class PolicyTrainer(Protocol):
         old_logprobs: torch.Tensor,
         is_weights: torch.Tensor | None,
         loss_mask: torch.Tensor,
-        loss_cfg: PolicyLossConfig,
+        loss_cfg: GRPOConfig,
         temperature: float,
     ) -> dict[str, float]: ...
 
@@ -294,8 +282,8 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     t2 = time.perf_counter()
     mask = rollout.response_mask
     mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
-    weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, correction_config(cfg))
-    train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, loss_config(cfg), temperature)
+    weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
+    train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, cfg.grpo, temperature)
     computed, valid = train_m.pop("tokens_computed", 0.0), train_m.pop("tokens_valid", 0.0)
     train_m["padding_waste"] = 1.0 - valid / computed if computed else 0.0  # of the tokens the forwards ran
     t3 = time.perf_counter()

@@ -108,18 +108,9 @@ def self_check() -> dict[str, Any]:
 
 def eager_samples(fn: Callable[[], object], reps: int, warmup: int = 5) -> list[float]:
     """Milliseconds of single calls between CUDA events (host launch cost included), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    from fp8rl.bench.kernels import event_samples_ms
+
+    return event_samples_ms(fn, reps, warmup)
 
 
 def make_graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:

@@ -65,7 +65,7 @@ def llama_1b() -> Any:
 
 def section_rl(a: argparse.Namespace) -> dict[str, Any]:
     """The RL train phase (logprob recompute + policy step) at 1B shape: BF16 vs FP8, eager vs CUDA graphs."""
-    from fp8rl.rl import PolicyLossConfig
+    from fp8rl.config import GRPOConfig
     from fp8rl.train.trainer import TrainerOptions, build_batch
 
     rows, prompt, response = a.rl_rows, 128, a.rl_response
@@ -91,7 +91,7 @@ def section_rl(a: argparse.Namespace) -> dict[str, Any]:
                 old = trainer.compute_logprobs(batch, 1.0)
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
-                m = trainer.policy_step(batch, adv, old, None, mask, PolicyLossConfig(), 1.0)
+                m = trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
                 torch.cuda.synchronize()
                 if i >= a.warmup:
                     times.append((t1 - t0, time.perf_counter() - t1))

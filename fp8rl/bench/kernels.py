@@ -44,6 +44,12 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
     """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events around each call)."""
+    return statistics.median(event_samples_ms(fn, reps, warmup))
+
+
+def event_samples_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of ``reps`` single calls of ``fn`` between CUDA events on the current stream (the host's launch
+    cost included where the GPU waits for it), after ``warmup`` calls."""
     import torch
 
     for _ in range(warmup):
@@ -57,7 +63,7 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
 
 
 def gpu_time_ms(fn: Callable[[], object], calls: int = 10, reps: int = 10) -> float:

@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -51,6 +51,9 @@ from fp8rl.models.layers import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES, kept_la
 from fp8rl.models.loading import read_model_config
 from fp8rl.quant import QuantSpec, quantize_weight
 
+if TYPE_CHECKING:
+    from fp8rl.config import Recipe
+
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MANIFEST_NAME = "fp8rl_manifest.json"
 REPORT_JSON = "fp8rl_conversion_report.json"
@@ -68,6 +71,20 @@ class ConvertOptions:
     weight_block: tuple[int, int] = (128, 128)
     fmt: str = "e4m3"
     partial_tiles: str = "keep"  # keep | quantize (module docstring)
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> ConvertOptions:
+        """The checkpoint ``recipe`` rolls out from: ``recipe.quant``'s granularity, power-of-two scales, BF16
+        first/last layers, weight tile and format; partial tiles ``keep`` (what vLLM and transformers load)."""
+        q = recipe.quant
+        return cls(
+            granularity=q.granularity,
+            pow2_scales=q.pow2_scales,
+            bf16_first_layers=q.bf16_first_layers,
+            bf16_last_layers=q.bf16_last_layers,
+            weight_block=(int(q.weight_block[0]), int(q.weight_block[1])),
+            fmt=q.fmt,
+        )
 
     def spec(self) -> QuantSpec:
         return QuantSpec(

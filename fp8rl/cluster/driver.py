@@ -34,11 +34,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import RayConfig, RunConfig
+from fp8rl.config import GRPOConfig, RayConfig, RunConfig
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
-from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import kv_scale_metrics
 from fp8rl.sync import SyncStats
@@ -187,7 +186,7 @@ class TrainerGroup:
         old_logprobs: torch.Tensor,
         is_weights: torch.Tensor | None,
         loss_mask: torch.Tensor,
-        loss_cfg: PolicyLossConfig,
+        loss_cfg: GRPOConfig,
         temperature: float,
     ) -> dict[str, float]:
         totals = policy_batch_totals(loss_mask)

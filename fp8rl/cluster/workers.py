@@ -37,9 +37,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from fp8rl.config import parse_run_config
+from fp8rl.config import GRPOConfig, parse_run_config
 from fp8rl.loop import build_engine, build_trainer, quant_spec
-from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
@@ -136,7 +135,7 @@ class TrainerWorker:
         old_logprobs: torch.Tensor,
         is_weights: torch.Tensor | None,
         loss_mask: torch.Tensor,
-        loss_cfg: PolicyLossConfig,
+        loss_cfg: GRPOConfig,
         temperature: float,
         totals: tuple[float, float],
     ) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Models: the tiny-model factory (no downloads) and loading of local Hugging Face causal LMs."""
+"""Models: the tiny-model factory (no downloads), loading of local Hugging Face causal LMs, and importing a
+starting checkpoint from a source (preset, directory, ``hf://``)."""
 
 from fp8rl.models.loading import (
     SUPPORTED_MODEL_TYPES,
@@ -7,6 +8,7 @@ from fp8rl.models.loading import (
     load_tokenizer,
     read_model_config,
 )
+from fp8rl.models.sources import import_model
 from fp8rl.models.tiny import PRESETS, TinyPreset, make_tiny_model, save_tiny_model
 from fp8rl.models.tokenizer import CHAR_VOCAB, make_char_tokenizer
 
@@ -16,6 +18,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "TinyPreset",
     "UnsupportedModelError",
+    "import_model",
     "load_causal_lm",
     "load_tokenizer",
     "make_char_tokenizer",

@@ -24,48 +24,12 @@ log space: sum_t log rho_t, so long sequences cannot overflow).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from fp8rl.config import Correction, MISCorrection, TISCorrection
 from fp8rl.rl.metrics import as_bool_mask, masked_max, masked_mean, masked_sum, require_same_shape
-
-
-@dataclass(frozen=True)
-class CorrectionConfig:
-    """Which mismatch correction :func:`mismatch_correction` applies.
-
-    type:      "none" (weights 1), "tis" (truncate) or "mis" (mask).
-    level:     "token" uses rho_t; "sequence" uses prod_t rho_t for every token of
-               the sequence.
-    threshold: C of TIS, the cap on the weight (Yao et al. use single-digit caps;
-               2 keeps the variance low while leaving room above 1).
-    low, high: the window [low, high] of ratios MIS keeps; must contain 1, so an
-               on-policy token is never dropped.  0.5 and 2.0 make it symmetric in
-               log space, |log rho| <= log 2.
-    """
-
-    type: Literal["none", "tis", "mis"] = "none"
-    level: Literal["token", "sequence"] = "token"
-    threshold: float = 2.0
-    low: float = 0.5
-    high: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.type not in ("none", "tis", "mis"):
-            raise ValueError(f"type must be 'none', 'tis' or 'mis', got {self.type!r}")
-        if self.level not in ("token", "sequence"):
-            raise ValueError(f"level must be 'token' or 'sequence', got {self.level!r}")
-        if not self.threshold > 0.0:
-            raise ValueError(f"threshold must be > 0, got {self.threshold}")
-        if not 0.0 <= self.low <= 1.0 <= self.high:
-            raise ValueError(f"need 0 <= low <= 1 <= high, got low={self.low}, high={self.high}")
-
-
-def _log(x: float) -> float:
-    return math.log(x) if x > 0.0 else -math.inf
 
 
 def _ess(weights: Tensor, valid: Tensor) -> Tensor:
@@ -82,9 +46,12 @@ def mismatch_correction(
     train_logprobs: Tensor,
     rollout_logprobs: Tensor,
     mask: Tensor,
-    cfg: CorrectionConfig,
+    cfg: Correction,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Per-token IS weights and the (possibly reduced) loss mask for the mismatch.
+
+    ``cfg`` is the recipe's correction (``fp8rl.config``: ``NoCorrection``, ``TISCorrection`` with
+    ``level`` and ``threshold`` C, or ``MISCorrection`` with ``level`` and the window [low, high]).
 
     Shapes: train_logprobs [N, T] (old log-probs under training numerics),
     rollout_logprobs [N, T] (as reported by the rollout engine), mask [N, T] bool or
@@ -109,16 +76,16 @@ def mismatch_correction(
     dtype = torch.promote_types(train_logprobs.dtype, torch.float32)
     diff = train_logprobs.detach().to(dtype) - rollout_logprobs.detach().to(dtype)
     log_rho = torch.where(valid, diff, 0.0)
-    if cfg.level == "sequence":
+    if isinstance(cfg, TISCorrection | MISCorrection) and cfg.level == "sequence":
         log_rho = masked_sum(log_rho, valid, dim=1)[:, None].expand_as(log_rho)
 
     new_mask = mask
     flagged: Tensor | None = None
-    if cfg.type == "tis":
-        flagged = valid & (log_rho > _log(cfg.threshold))
-        weights = torch.where(valid, log_rho.clamp(max=_log(cfg.threshold)).exp(), 0.0)
-    elif cfg.type == "mis":
-        keep = valid & (log_rho >= _log(cfg.low)) & (log_rho <= _log(cfg.high))
+    if isinstance(cfg, TISCorrection):
+        flagged = valid & (log_rho > math.log(cfg.threshold))
+        weights = torch.where(valid, log_rho.clamp(max=math.log(cfg.threshold)).exp(), 0.0)
+    elif isinstance(cfg, MISCorrection):
+        keep = valid & (log_rho >= math.log(cfg.low)) & (log_rho <= math.log(cfg.high))
         flagged = valid & ~keep
         weights = keep.to(dtype)
         new_mask = torch.where(keep, mask, torch.zeros_like(mask))

@@ -4,7 +4,9 @@ GRPO is this loss fed with :func:`fp8rl.rl.grpo_advantages` (and ``kl_coef`` for
 its reference-KL term); DAPO is clip-higher (``clip_high=0.28``) with
 ``token-mean`` aggregation; there is no second implementation.  The rollout /
 training mismatch correction enters as per-token ``is_weights`` from
-:func:`fp8rl.rl.mismatch_correction`.
+:func:`fp8rl.rl.mismatch_correction`.  The settings are the run config's ``grpo``
+section, ``fp8rl.config.GRPOConfig`` (its docstring gives each one's source);
+the loss reads clip_low, clip_high, dual_clip, loss_agg and kl_coef.
 
 Numerics: the loss is computed in float32 even for bf16 log-probabilities (float64
 stays float64).  Masked positions are selected away with ``torch.where`` before
@@ -15,14 +17,12 @@ the loss and to every gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
+from fp8rl.config import GRPOConfig, LossAgg
 from fp8rl.rl.metrics import as_bool_mask, kl_k3, masked_max, masked_mean, require_same_shape
-
-LossAgg = Literal["token-mean", "seq-mean-token-mean"]
 
 DUAL_CLIP_YE_ET_AL = 3.0
 """The dual-clip constant of Ye et al. (2020) and veRL's ``clip_ratio_c`` default."""
@@ -30,46 +30,6 @@ DUAL_CLIP_YE_ET_AL = 3.0
 LOG_RATIO_LIMIT = 20.0
 """|log ratio| is clamped to this before exp, as veRL does: a wildly off-policy
 token gives a large finite loss (and no gradient) instead of inf."""
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """How :func:`policy_loss` clips and aggregates.
-
-    clip_low:  ratio is clipped below at ``1 - clip_low``; 0.2 as PPO (Schulman et
-               al. 2017) and GRPO.
-    clip_high: ratio is clipped above at ``1 + clip_high``; 0.28 is DAPO's
-               "clip-higher" (Yu et al. 2025), which leaves low-probability tokens
-               room to grow and so delays entropy collapse.  Set 0.2 for PPO/GRPO.
-    dual_clip: ``None`` (off), or the constant ``c > 1`` of dual-clip PPO (Ye et
-               al. 2020, "Mastering Complex Control in MOBA Games"): for negative
-               advantages the per-token loss is capped at ``-c * A``.  3.0
-               (:data:`DUAL_CLIP_YE_ET_AL`) is the paper's and veRL's value.
-    loss_agg:  "token-mean" averages over every valid token of the batch (DAPO;
-               veRL ``loss_agg_mode``'s default), so long responses weigh in per
-               token; "seq-mean-token-mean" averages each sequence's tokens and then
-               the sequences (original GRPO), so every response weighs the same.
-    kl_coef:   weight of the k3 KL(pi || pi_ref) penalty (GRPO's beta); 0 (off) as
-               DAPO and Dr. GRPO.  Needs ``ref_logprobs`` when non-zero.
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    loss_agg: LossAgg = "token-mean"
-    kl_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3.0), got {self.dual_clip}")
-        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-            raise ValueError(f"loss_agg must be 'token-mean' or 'seq-mean-token-mean', got {self.loss_agg!r}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +72,7 @@ class PolicyLossInput:
             )
 
 
-def ppo_clip_token_loss(ratio: Tensor, advantages: Tensor, cfg: PolicyLossConfig) -> Tensor:
+def ppo_clip_token_loss(ratio: Tensor, advantages: Tensor, cfg: GRPOConfig) -> Tensor:
     """Per-token PPO-clip loss (to minimise), optionally dual-clipped.
 
     Shapes: ratio, advantages [N, T] -> [N, T].  With r = ratio, A = advantage,
@@ -149,7 +109,7 @@ def aggregate_token_loss(token_loss: Tensor, mask: Tensor, loss_agg: LossAgg) ->
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
-def policy_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(inp: PolicyLossInput, cfg: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip policy-gradient loss with optional IS weights and k3 reference KL.
 
     Shapes: see :class:`PolicyLossInput`; returns a scalar loss with grad w.r.t.

@@ -182,11 +182,10 @@ def serving_checkpoint(model_dir: str | os.PathLike[str], recipe: Recipe, work_d
     if not (dst / "config.json").is_file():
         from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
 
-        q = recipe.quant
-        block = (int(q.weight_block[0]), int(q.weight_block[1]))
-        opts = ConvertOptions("block", q.pow2_scales, q.bf16_first_layers, q.bf16_last_layers, block)
+        # check_recipe_supported pinned the recipe to block granularity and 128x128 tiles (and fmt is e4m3 only),
+        # so the recipe's options are the ones vLLM loads
         try:
-            convert_checkpoint(src, dst, opts, show_progress=False)
+            convert_checkpoint(src, dst, ConvertOptions.from_recipe(recipe), show_progress=False)
         except (OutputExistsError, OSError):
             if not (dst / "config.json").is_file():  # not another worker that finished first
                 raise

@@ -26,12 +26,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fp8rl.atomic import atomic_directory
+from fp8rl.config import GRPOConfig
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.models.tiny import pin_tokenizer_class
 from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
-from fp8rl.rl import PolicyLossConfig, PolicyLossInput, policy_loss
+from fp8rl.rl import PolicyLossInput, policy_loss
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
 from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear
@@ -383,7 +384,7 @@ class TorchTrainer:
         old_logprobs: torch.Tensor,
         is_weights: torch.Tensor | None,
         loss_mask: torch.Tensor,
-        loss_cfg: PolicyLossConfig,
+        loss_cfg: GRPOConfig,
         temperature: float,
         totals: tuple[float, float] | None = None,
     ) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""``fp8rl.cluster.submit_rayjob`` and the RL-step component's ``rayjob`` backend against a real API server
+"""``fp8rl.kube.submit_rayjob`` and the RL-step component's ``rayjob`` backend against a real API server
 and the real KubeRay operator.
 
 The operator creates the RayCluster, its pods and the submitter Job for real; kwok marks scheduled pods
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from control_plane import BAD_IMAGE
 
-from fp8rl.cluster import KubeApis, build_rayjob, parse_template, submit_rayjob
-from fp8rl.cluster.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube import KubeApis, build_rayjob, parse_template, submit_rayjob
+from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
 
 pytestmark = pytest.mark.cluster
 
@@ -199,8 +199,8 @@ def test_rl_step_rayjob_backend_from_the_charts_template(
     """The chart installed; its rendered RayJob template (the ConfigMap the pipelines mount) read back from the
     API server; the backend stages the run, builds the RayJob and submits it as the component does, up to the
     point where the Ray pods would start the training (the deadline here)."""
-    from components.rayjob_backend import run_rl_step_as_rayjob
     from fp8rl.config import RunConfig, load_recipe
+    from fp8rl.kube.rl_step import run_rl_step_as_rayjob
 
     chart = Path(__file__).resolve().parents[2] / "charts" / "fp8rl"
     cluster_helm("install", "rl", str(chart), "-n", namespace, "--set", "ray.enabled=false")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 def test_compiled_trainer_matches_the_eager_one_on_cuda(tiny_models: dict[str, Path], precision: str) -> None:
     from sharded_trainer_worker import fixed_batch
 
-    from fp8rl.rl import PolicyLossConfig
+    from fp8rl.config import GRPOConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -36,7 +36,7 @@ def test_compiled_trainer_matches_the_eager_one_on_cuda(tiny_models: dict[str, P
         opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, compile_elementwise=compiled)
         trainer = TorchTrainer(tiny_models["small"], opts, device="cuda")
         assert bool(trainer.compiled_modules) == compiled
-        runs.append([trainer.policy_step(batch, adv, old, None, mask, PolicyLossConfig(), 1.0) for _ in range(3)])
+        runs.append([trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(3)])
     for eager, fused in zip(*runs, strict=True):
         assert fused["loss"] == pytest.approx(eager["loss"], rel=2e-2, abs=1e-4)
         assert fused["grad_norm"] == pytest.approx(eager["grad_norm"], rel=5e-2)

@@ -29,7 +29,7 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
 ) -> None:
     from sharded_trainer_worker import fixed_batch
 
-    from fp8rl.rl import PolicyLossConfig
+    from fp8rl.config import GRPOConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -47,7 +47,7 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
         pytest.skip("compared on one GPU only")
     trainer = TorchTrainer(model, TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4), device="cuda")
     batch, adv, old, mask = fixed_batch()
-    history = [trainer.policy_step(batch, adv, old, None, mask, PolicyLossConfig(), 1.0) for _ in range(2)]
+    history = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
     for a, b in zip(history, got["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

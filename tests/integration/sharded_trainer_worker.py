@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fp8rl.rl import PolicyLossConfig
+from fp8rl.config import GRPOConfig
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch, policy_batch_totals
 
 ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20
@@ -73,7 +73,7 @@ def main() -> None:
     kv_before = trainer.kv_scales(batch, 0.999, 1.1)[0]
     history = []
     for _ in range(args.steps):
-        m = trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], PolicyLossConfig(), 1.0,
+        m = trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], GRPOConfig(), 1.0,
                                 totals=totals)  # fmt: skip
         parts: list[dict[str, float] | None] = [None] * world
         dist.all_gather_object(parts, m)

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 
 def fp8rl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fp8rl", *args], capture_output=True, text=True)
@@ -40,3 +43,41 @@ def test_errors_exit_non_zero_and_name_the_input(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
     r = fp8rl("dequantize", str(model), str(tmp_path / "d"))
     assert r.returncode == 2 and "not an FP8 checkpoint" in r.stderr
+
+
+def test_convert_takes_the_options_of_a_recipe(tmp_path: Path) -> None:
+    model, fp8, recipe = tmp_path / "m", tmp_path / "fp8", tmp_path / "b64.yaml"
+    fp8rl("make-model", str(model))
+    quant = {"weight_block": [64, 64], "bf16_last_layers": 1}  # the tile size has no flag: only a recipe sets it
+    recipe.write_text(
+        yaml.safe_dump({"name": "b64", "rollout_precision": "fp8", "train_precision": "bf16", "quant": quant})
+    )
+    r = fp8rl("convert", str(model), str(fp8), "--recipe", str(recipe), "--granularity", "block")  # agrees: fine
+    assert r.returncode == 0, r.stderr
+    qcfg = json.loads((fp8 / "config.json").read_text())["quantization_config"]
+    assert qcfg["weight_block_size"] == [64, 64] and "model.layers.1.mlp.up_proj" in qcfg["ignored_layers"]
+    r = fp8rl("convert", str(model), str(tmp_path / "o"), "--recipe", "fp8-e2e", "--bf16-first-layers", "1")
+    assert r.returncode == 2 and "--bf16-first-layers 1 but recipe.quant.bf16_first_layers is 0" in r.stderr
+    r = fp8rl("convert", str(model), str(tmp_path / "o"), "--recipe", "fp9")
+    assert r.returncode == 2 and "not a built-in recipe" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_import_model_from_a_preset_and_a_directory(tmp_path: Path) -> None:
+    model, copy = tmp_path / "m", tmp_path / "copy"
+    r = fp8rl("import-model", "tiny", str(model), "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert "imported tiny:tiny" in r.stdout
+    assert json.loads((model / "config.json").read_text())["model_type"] == "llama"
+    r = fp8rl("import-model", model.as_uri(), str(copy))
+    assert r.returncode == 0, r.stderr
+    assert (copy / "model.safetensors").read_bytes() == (model / "model.safetensors").read_bytes()
+    r = fp8rl("import-model", "tiny", str(model))
+    assert r.returncode == 2 and "already exists (pass --overwrite" in r.stderr
+
+
+@pytest.mark.parametrize("source", ["tiny-typo", "s3://bucket/model", "hf://org/name"])
+def test_import_model_names_a_bad_source_and_writes_nothing(tmp_path: Path, source: str) -> None:
+    r = fp8rl("import-model", source, str(tmp_path / "m"))  # hf://: the test session is offline (conftest)
+    assert r.returncode == 2 and f"model source {source!r}" in r.stderr and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []

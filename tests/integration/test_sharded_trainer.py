@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.rl import PolicyLossConfig
+from fp8rl.config import GRPOConfig
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 HERE = Path(__file__).parent
@@ -42,7 +42,7 @@ def _replicated(model: Path, precision: str, steps: int, state: dict | None = No
     if state is not None:
         trainer.load_state_dict(state)
     batch, adv, old, mask = fixed_batch()
-    history = [trainer.policy_step(batch, adv, old, None, mask, PolicyLossConfig(), 1.0) for _ in range(steps)]
+    history = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(steps)]
     return trainer, history
 
 

@@ -21,6 +21,7 @@ from fp8rl.checkpoint import (
     dequantize_checkpoint,
 )
 from fp8rl.checkpoint.shards import sha256_file
+from fp8rl.config import BUILTIN_RECIPES, Recipe, load_recipe, parse_recipe, vllm_recipe_problem
 from fp8rl.models import PRESETS, UnsupportedModelError
 from fp8rl.quant import QuantSpec, quantize_weight
 
@@ -282,3 +283,49 @@ def test_bad_inputs_name_the_file_and_write_nothing(tmp_path: Path, tiny_models:
         convert_checkpoint(src, dst, ConvertOptions(), show_progress=False)
     assert expect in str(err.value)
     assert not dst.exists() and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------- options from a recipe
+
+
+def fp8_recipe(**quant: object) -> Recipe:
+    return parse_recipe({"name": "custom", "rollout_precision": "fp8", "train_precision": "bf16", "quant": quant})
+
+
+@pytest.mark.parametrize("name", BUILTIN_RECIPES)
+def test_builtin_recipes_convert_to_128_block_e4m3(name: str) -> None:
+    # bf16's quant is the default; both FP8 recipes spell out block scaling, no pow2 scales, no BF16 layers
+    assert ConvertOptions.from_recipe(load_recipe(name)) == ConvertOptions(
+        granularity="block", pow2_scales=False, bf16_first_layers=0, bf16_last_layers=0,
+        weight_block=(128, 128), fmt="e4m3", partial_tiles="keep",
+    )  # fmt: skip
+
+
+def test_convert_options_take_every_quant_setting_of_the_recipe() -> None:
+    recipe = fp8_recipe(
+        granularity="row", pow2_scales=True, bf16_first_layers=1, bf16_last_layers=2, weight_block=[64, 32]
+    )
+    assert ConvertOptions.from_recipe(recipe) == ConvertOptions("row", True, 1, 2, (64, 32), "e4m3", "keep")
+
+
+def vllm_serving_options(recipe: Recipe) -> ConvertOptions:
+    """What serving_checkpoint converted with before ConvertOptions.from_recipe: block, 128x128, default fmt."""
+    q = recipe.quant
+    return ConvertOptions("block", q.pow2_scales, q.bf16_first_layers, q.bf16_last_layers, (128, 128))
+
+
+@pytest.mark.parametrize("quant", [{}, {"pow2_scales": True}, {"bf16_first_layers": 1, "bf16_last_layers": 2}])
+def test_recipe_options_are_what_vllm_serves_for_the_recipes_it_accepts(quant: dict[str, object]) -> None:
+    recipe = fp8_recipe(**quant)
+    assert vllm_recipe_problem(recipe) is None
+    assert ConvertOptions.from_recipe(recipe) == vllm_serving_options(recipe)
+
+
+@pytest.mark.parametrize(
+    "quant", [{"granularity": "row"}, {"granularity": "tensor"}, {"weight_block": [64, 64]}, {"act_block": 64}]
+)
+def test_vllm_refuses_the_recipes_whose_options_differ(quant: dict[str, object]) -> None:
+    recipe = fp8_recipe(**quant)
+    assert vllm_recipe_problem(recipe) is not None  # serving_checkpoint stops at check_recipe_supported
+    if "act_block" not in quant:  # act_block is a rollout setting, not part of the checkpoint
+        assert ConvertOptions.from_recipe(recipe) != vllm_serving_options(recipe)

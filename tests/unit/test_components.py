@@ -21,7 +21,6 @@ import yaml
 from kfp.dsl import HTML, Artifact, Markdown, Metrics, Model
 from mlflow import MlflowClient
 
-from components import rayjob_backend
 from components.benchmark import benchmark
 from components.compare import compare_recipes
 from components.convert import convert_to_fp8
@@ -40,6 +39,7 @@ from components.sft_warmup import sft_warmup
 from components.tracking import start_tracking
 from fp8rl.config import ConfigError, load_recipe
 from fp8rl.errors import UserError
+from fp8rl.kube import rl_step as rayjob_backend
 from fp8rl.models.loading import UnsupportedModelError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")

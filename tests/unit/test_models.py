@@ -9,10 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fp8rl.atomic import OutputExistsError
+from fp8rl.errors import UserError
 from fp8rl.models import (
     CHAR_VOCAB,
     PRESETS,
     UnsupportedModelError,
+    import_model,
     load_causal_lm,
     make_char_tokenizer,
     make_tiny_model,
@@ -106,3 +109,31 @@ def test_checkpoints_pin_only_the_char_tokenizer(tmp_path: Path, tiny_models: di
     kept = json.loads((tmp_path / "other" / "tokenizer_config.json").read_text())
     assert (pinned["tokenizer_class"], pinned["model_max_length"]) == ("PreTrainedTokenizerFast", 512)
     assert kept["model_max_length"] == 32768
+
+
+# ---------------------------------------------------------------- model sources (import_model)
+
+
+def test_import_model_replaces_only_with_overwrite(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    dst, small = tmp_path / "m", tiny_models["small"]
+    assert import_model("tiny", dst, seed=1) == {"source": "tiny:tiny", "preset": "tiny", "seed": 1}
+    before = (dst / "model.safetensors").read_bytes()
+    for source in ("tiny", str(small)):
+        with pytest.raises(OutputExistsError, match="--overwrite"):
+            import_model(source, dst)
+    assert (dst / "model.safetensors").read_bytes() == before
+    assert import_model(str(small), dst, overwrite=True) == {"source": str(small)}
+    assert (dst / "model.safetensors").read_bytes() == (small / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ("", "not a tiny preset"),  # not the working directory
+        ("hf://org/name@v1", "download failed"),  # the test session is offline (conftest: HF_HUB_OFFLINE=1)
+    ],
+)
+def test_import_model_names_the_source_and_writes_nothing(tmp_path: Path, source: str, match: str) -> None:
+    with pytest.raises(UserError, match=f"model source {source!r}: {match}"):
+        import_model(source, tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fp8rl.cluster.rayjob import (
+from fp8rl.config import ConfigError
+from fp8rl.kube.rayjob import (
     RAYJOB_LABEL,
     ROLE_LABEL,
     RayJobTemplate,
@@ -17,7 +18,6 @@ from fp8rl.cluster.rayjob import (
     load_template,
     parse_template,
 )
-from fp8rl.config import ConfigError
 
 # What the chart renders into its ConfigMap key rayjob.yaml (camelCase, exactly these fields).
 CHART_YAML = """

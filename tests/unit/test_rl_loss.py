@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from fp8rl.config import GRPOConfig
 from fp8rl.rl import (
     DUAL_CLIP_YE_ET_AL,
-    PolicyLossConfig,
     PolicyLossInput,
     grpo_advantages,
     policy_loss,
@@ -32,7 +32,7 @@ def ref_loss(
     old: list[list[float]],
     adv: list[float],
     mask: list[list[int]],
-    cfg: PolicyLossConfig,
+    cfg: GRPOConfig,
     w: list[list[float]] | None = None,
     ref: list[list[float]] | None = None,
 ) -> float:
@@ -79,8 +79,8 @@ def make_input(with_w: bool = False, with_ref: bool = False, dtype: torch.dtype 
 @pytest.mark.parametrize("dual_clip", [None, 1.4])
 @pytest.mark.parametrize(("with_w", "with_ref"), [(False, False), (True, False), (True, True)])
 def test_value_matches_reference(loss_agg: str, dual_clip: float | None, with_w: bool, with_ref: bool) -> None:
-    cfg = PolicyLossConfig(clip_low=CL, clip_high=CH, dual_clip=dual_clip, loss_agg=loss_agg, kl_coef=0.1)  # type: ignore[arg-type]
-    cfg = cfg if with_ref else PolicyLossConfig(CL, CH, dual_clip, loss_agg)  # type: ignore[arg-type]
+    cfg = GRPOConfig(clip_low=CL, clip_high=CH, dual_clip=dual_clip, loss_agg=loss_agg, kl_coef=0.1)  # type: ignore[arg-type]
+    cfg = cfg if with_ref else GRPOConfig(clip_low=CL, clip_high=CH, dual_clip=dual_clip, loss_agg=loss_agg)  # type: ignore[arg-type]
     loss, metrics = policy_loss(make_input(with_w, with_ref), cfg)
     want = ref_loss(LP, OLD, ADV, MASK, cfg, W if with_w else None, REF if with_ref else None)
     assert loss.item() == pytest.approx(want, rel=1e-12)
@@ -88,7 +88,7 @@ def test_value_matches_reference(loss_agg: str, dual_clip: float | None, with_w:
 
 
 def test_metrics_match_hand_counts() -> None:
-    _, m = policy_loss(make_input(with_ref=True), PolicyLossConfig(CL, CH, dual_clip=1.4))
+    _, m = policy_loss(make_input(with_ref=True), GRPOConfig(clip_low=CL, clip_high=CH, dual_clip=1.4))
     ratios, clip_low, clip_high, dual, kls = [], 0, 0, 0, []
     for i, row in enumerate(LP):
         for t, x in enumerate(row):
@@ -126,7 +126,7 @@ def test_masked_positions_get_exactly_zero_gradient_even_with_garbage() -> None:
         ref_logprobs=inp.ref_logprobs.masked_fill(pad, nan),  # type: ignore[union-attr]
     )
     for agg in ("token-mean", "seq-mean-token-mean"):
-        cfg = PolicyLossConfig(dual_clip=3.0, loss_agg=agg, kl_coef=0.05)
+        cfg = GRPOConfig(dual_clip=3.0, loss_agg=agg, kl_coef=0.05)
         lp.grad = None
         loss, metrics = policy_loss(garbage, cfg)
         loss.backward()
@@ -143,7 +143,7 @@ def test_gradient_at_ratio_one_is_advantage_over_token_count() -> None:
     # ratio = 1 and no clipping: d loss / d lp_it = -A_i * m_it / sum(m)
     lp = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
     inp = PolicyLossInput(lp, lp.detach(), torch.tensor(ADV, dtype=torch.float64), torch.tensor(MASK))
-    loss, _ = policy_loss(inp, PolicyLossConfig())
+    loss, _ = policy_loss(inp, GRPOConfig())
     loss.backward()
     n = sum(map(sum, MASK))
     want = [[-ADV[i] * MASK[i][t] / n for t in range(4)] for i in range(3)]
@@ -151,13 +151,13 @@ def test_gradient_at_ratio_one_is_advantage_over_token_count() -> None:
     assert torch.equal(lp.grad, torch.tensor(want, dtype=torch.float64))  # type: ignore[arg-type]
     # seq-mean-token-mean: -A_i * m_it / (len_i * number of sequences)
     lp.grad = None
-    loss, _ = policy_loss(inp, PolicyLossConfig(loss_agg="seq-mean-token-mean"))
+    loss, _ = policy_loss(inp, GRPOConfig(loss_agg="seq-mean-token-mean"))
     loss.backward()
     want = [[-ADV[i] * MASK[i][t] / (sum(MASK[i]) * 3) for t in range(4)] for i in range(3)]
     assert torch.allclose(lp.grad, torch.tensor(want, dtype=torch.float64), rtol=1e-14, atol=0)  # type: ignore[arg-type]
 
 
-def one_token(ratio: float, adv: float, cfg: PolicyLossConfig) -> tuple[float, float, dict[str, float]]:
+def one_token(ratio: float, adv: float, cfg: GRPOConfig) -> tuple[float, float, dict[str, float]]:
     """Loss, d loss / d lp and metrics for a single valid token with the given ratio."""
     lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([[-1.0 - math.log(ratio)]], dtype=torch.float64)
@@ -183,7 +183,7 @@ D = 1e-3
     ],
 )
 def test_clip_boundaries(ratio: float, adv: float, clipped: bool, key: str) -> None:
-    loss, grad, metrics = one_token(ratio, adv, PolicyLossConfig(CL, CH))
+    loss, grad, metrics = one_token(ratio, adv, GRPOConfig(clip_low=CL, clip_high=CH))
     assert loss == pytest.approx(ref_token_loss(ratio, adv, CL, CH, None), rel=1e-12)
     if clipped:
         assert grad == 0.0
@@ -194,12 +194,12 @@ def test_clip_boundaries(ratio: float, adv: float, clipped: bool, key: str) -> N
 
 
 def test_dual_clip_caps_negative_advantage_loss() -> None:
-    cfg = PolicyLossConfig(dual_clip=DUAL_CLIP_YE_ET_AL)
+    cfg = GRPOConfig(dual_clip=DUAL_CLIP_YE_ET_AL)
     loss, grad, m = one_token(3.5, -2.0, cfg)
     assert (loss, grad, m["clip_frac_dual"]) == (pytest.approx(6.0), 0.0, 1.0)  # -c A = 3 * 2
     loss, grad, m = one_token(2.5, -2.0, cfg)
     assert (loss, grad, m["clip_frac_dual"]) == (pytest.approx(5.0), pytest.approx(5.0), 0.0)
-    loss, grad, m = one_token(3.5, -2.0, PolicyLossConfig())  # off: unbounded
+    loss, grad, m = one_token(3.5, -2.0, GRPOConfig())  # off: unbounded
     assert (loss, grad, "clip_frac_dual" in m) == (pytest.approx(7.0), pytest.approx(7.0), False)
     loss, _, _ = one_token(3.5, 2.0, cfg)  # A > 0 is untouched by dual clip
     assert loss == pytest.approx(-2.0 * (1 + 0.28))
@@ -209,14 +209,14 @@ def test_aggregation_modes_on_unequal_lengths() -> None:
     # ratio 1, so the per-token loss is -A: sequence 0 has 1 token with A = 4, sequence 1 has 3 with A = 1
     lp = torch.zeros(2, 3, requires_grad=True)
     inp = PolicyLossInput(lp, lp.detach(), torch.tensor([4.0, 1.0]), torch.tensor([[1, 0, 0], [1, 1, 1]]))
-    token_mean, _ = policy_loss(inp, PolicyLossConfig(loss_agg="token-mean"))
-    seq_mean, _ = policy_loss(inp, PolicyLossConfig(loss_agg="seq-mean-token-mean"))
+    token_mean, _ = policy_loss(inp, GRPOConfig(loss_agg="token-mean"))
+    seq_mean, _ = policy_loss(inp, GRPOConfig(loss_agg="seq-mean-token-mean"))
     assert token_mean.item() == pytest.approx(-(4 + 3) / 4)
     assert seq_mean.item() == pytest.approx(-(4 + 1) / 2)
     # equal lengths: the two agree
     equal = PolicyLossInput(lp, lp.detach(), torch.tensor([4.0, 1.0]), torch.ones(2, 3))
-    a, _ = policy_loss(equal, PolicyLossConfig(loss_agg="token-mean"))
-    b, _ = policy_loss(equal, PolicyLossConfig(loss_agg="seq-mean-token-mean"))
+    a, _ = policy_loss(equal, GRPOConfig(loss_agg="token-mean"))
+    b, _ = policy_loss(equal, GRPOConfig(loss_agg="seq-mean-token-mean"))
     assert a.item() == pytest.approx(b.item())
 
 
@@ -224,12 +224,12 @@ def test_empty_sequences_are_skipped_and_empty_batch_is_zero() -> None:
     lp = torch.zeros(3, 2, requires_grad=True)
     mask = torch.tensor([[1, 1], [0, 0], [1, 0]])
     inp = PolicyLossInput(lp, lp.detach(), torch.tensor([1.0, 100.0, 3.0]), mask)
-    loss, _ = policy_loss(inp, PolicyLossConfig(loss_agg="seq-mean-token-mean"))
+    loss, _ = policy_loss(inp, GRPOConfig(loss_agg="seq-mean-token-mean"))
     assert loss.item() == pytest.approx(-(1 + 3) / 2)
     for agg in ("token-mean", "seq-mean-token-mean"):
         lp.grad = None
         empty = PolicyLossInput(lp, lp.detach(), torch.ones(3), torch.zeros(3, 2, dtype=torch.bool))
-        loss, metrics = policy_loss(empty, PolicyLossConfig(loss_agg=agg))
+        loss, metrics = policy_loss(empty, GRPOConfig(loss_agg=agg))
         loss.backward()
         assert loss.item() == 0.0 and metrics["ratio_max"] == 0.0
         assert lp.grad is not None and not lp.grad.any()
@@ -238,9 +238,7 @@ def test_empty_sequences_are_skipped_and_empty_batch_is_zero() -> None:
 def test_is_weights_scale_the_gradient_and_are_detached() -> None:
     lp = torch.zeros(1, 2, requires_grad=True)
     w = torch.tensor([[0.5, 2.0]], requires_grad=True)
-    loss, _ = policy_loss(
-        PolicyLossInput(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), w), PolicyLossConfig()
-    )
+    loss, _ = policy_loss(PolicyLossInput(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), w), GRPOConfig())
     loss.backward()
     assert lp.grad.tolist() == [[-0.25, -1.0]]  # type: ignore[union-attr]
     assert w.grad is None
@@ -251,7 +249,7 @@ def test_kl_penalty_gradient() -> None:
     lp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     inp = PolicyLossInput(lp, lp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), ref_logprobs=ref)
-    loss, m = policy_loss(inp, PolicyLossConfig(kl_coef=0.5))
+    loss, m = policy_loss(inp, GRPOConfig(kl_coef=0.5))
     loss.backward()
     want = [0.5 * (1 - math.exp(r - x)) / 2 for x, r in ((-1.0, -1.5), (-2.0, -1.0))]
     assert lp.grad.tolist()[0] == pytest.approx(want, rel=1e-12)  # type: ignore[union-attr]
@@ -262,7 +260,9 @@ def test_grpo_is_this_loss_with_group_advantages() -> None:
     # one prompt, four samples: the rewarded ones' log-probs are pushed up, the others down
     adv = grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0]), 4)
     lp = torch.full((4, 3), -1.0, requires_grad=True)
-    loss, _ = policy_loss(PolicyLossInput(lp, lp.detach(), adv, torch.ones(4, 3)), PolicyLossConfig(0.2, 0.2))
+    loss, _ = policy_loss(
+        PolicyLossInput(lp, lp.detach(), adv, torch.ones(4, 3)), GRPOConfig(clip_low=0.2, clip_high=0.2)
+    )
     loss.backward()
     grad = lp.grad
     assert grad is not None
@@ -271,7 +271,7 @@ def test_grpo_is_this_loss_with_group_advantages() -> None:
 
 def test_bf16_inputs_compute_in_float32() -> None:
     inp = make_input(with_w=True, with_ref=True, dtype=torch.bfloat16)
-    loss, _ = policy_loss(inp, PolicyLossConfig(kl_coef=0.1))
+    loss, _ = policy_loss(inp, GRPOConfig(kl_coef=0.1))
     loss.backward()
     assert loss.dtype == torch.float32
     assert inp.logprobs.grad is not None and inp.logprobs.grad.dtype == torch.bfloat16
@@ -280,7 +280,7 @@ def test_bf16_inputs_compute_in_float32() -> None:
 def test_extreme_log_ratio_stays_finite() -> None:
     lp = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-500.0, -1.0]])
-    loss, m = policy_loss(PolicyLossInput(lp, old, torch.tensor([-1.0]), torch.ones(1, 2)), PolicyLossConfig())
+    loss, m = policy_loss(PolicyLossInput(lp, old, torch.tensor([-1.0]), torch.ones(1, 2)), GRPOConfig())
     loss.backward()
     assert math.isfinite(loss.item()) and math.isfinite(m["ratio_max"])
     assert torch.isfinite(lp.grad).all()  # type: ignore[arg-type]
@@ -298,7 +298,7 @@ def test_extreme_log_ratio_stays_finite() -> None:
 )
 def test_config_validation(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        PolicyLossConfig(**kwargs)  # type: ignore[arg-type]
+        GRPOConfig(**kwargs)  # type: ignore[arg-type]
 
 
 def test_input_validation() -> None:
@@ -308,4 +308,4 @@ def test_input_validation() -> None:
     with pytest.raises(ValueError, match="advantages"):
         PolicyLossInput(x, x, torch.zeros(3), x)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(PolicyLossInput(x, x, torch.zeros(2), x), PolicyLossConfig(kl_coef=0.1))
+        policy_loss(PolicyLossInput(x, x, torch.zeros(2), x), GRPOConfig(kl_coef=0.1))

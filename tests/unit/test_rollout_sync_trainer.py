@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from fp8rl.config import GRPOConfig
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
-from fp8rl.rl import PolicyLossConfig
 from fp8rl.rollout import FP8InferenceLinear, SamplingParams, TorchRolloutEngine, filter_logits
 from fp8rl.sync import InProcessWeightSync, SyncVerificationError, verify_engine_weights
 from fp8rl.train.fp8_linear import FP8TrainLinear
@@ -103,7 +103,7 @@ def test_sync_is_bit_exact_and_versioned(tiny_models: dict[str, Path], precision
     old = trainer.compute_logprobs(batch, 1.0)
     adv = torch.linspace(-1, 1, 12)
     before = {k: v.clone() for k, v in trainer.hf_state_dict().items()}
-    m = trainer.policy_step(batch, adv, old, None, r.response_mask, PolicyLossConfig(), 1.0)
+    m = trainer.policy_step(batch, adv, old, None, r.response_mask, GRPOConfig(), 1.0)
     after = trainer.hf_state_dict()
     changed = [k for k in after if not torch.equal(after[k], before[k])]
     assert m["grad_norm"] > 0 and len(changed) == len(after)  # every parameter moved

@@ -34,10 +34,10 @@ from kubernetes.client import (
 )
 from kubernetes.client.exceptions import ApiException
 
-from fp8rl.cluster.diagnose import diagnose, extract_traceback
-from fp8rl.cluster.errors import RayJobFailed, RayJobTimeout
-from fp8rl.cluster.submit import KubeApis, _PodLogFollower, _split_timestamp, submit_rayjob
 from fp8rl.errors import UserError
+from fp8rl.kube.diagnose import diagnose, extract_traceback
+from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube.submit import KubeApis, _PodLogFollower, _split_timestamp, submit_rayjob
 
 NAME, NS, IMAGE = "fp8rl-step", "ml", "ghcr.io/example/fp8rl-gpu:0.1.0"
 CLUSTER = "fp8rl-step-abcde"
@@ -601,7 +601,7 @@ class _FlakyJobClient:
 def test_dashboard_blip_is_retried_and_missed_log_lines_are_filled_in(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.job_submission
 
-    from fp8rl.cluster.ray_jobs import submit_to_ray_cluster
+    from fp8rl.kube.ray_jobs import submit_to_ray_cluster
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", _FlakyJobClient)
     lines: list[str] = []

@@ -1,19 +1,19 @@
 """Run the RL step as a KubeRay RayJob, or on an existing Ray cluster, and wait for it without ever hanging.
 
 Two ways in, one contract: stream the driver's log lines to ``log_sink`` while waiting, return a
-result on success, raise :class:`~fp8rl.cluster.errors.RayJobFailed` (a :class:`~fp8rl.errors.UserError`)
-whose message says *why* on failure, and :class:`~fp8rl.cluster.errors.RayJobTimeout` when a deadline passes.
+result on success, raise :class:`~fp8rl.kube.errors.RayJobFailed` (a :class:`~fp8rl.errors.UserError`)
+whose message says *why* on failure, and :class:`~fp8rl.kube.errors.RayJobTimeout` when a deadline passes.
 
 - :func:`submit_rayjob` (this module) creates a ``ray.io/v1`` RayJob through the Kubernetes API, polls
   ``status.jobDeploymentStatus`` / ``status.jobStatus``, follows the submitter pod's log (in
   K8sJobMode it runs ``ray job logs --follow``, so that log is the driver's; best effort: a log the API
   server cannot fetch from the kubelet is reported once and never hides the outcome), and on failure reads
-  pod statuses and Warning events to name the cause (:func:`fp8rl.cluster.diagnose.diagnose`):
+  pod statuses and Warning events to name the cause (:func:`fp8rl.kube.diagnose.diagnose`):
   ``image pull error: <image>``, ``unschedulable: <scheduler message>``, ``out of memory: ...``, or
   the driver's traceback. The RayJob is deleted at the end (success, failure, timeout, Ctrl-C) unless
   ``keep=True``; deleting it makes KubeRay stop the Ray job (its ``ray.io/rayjob-finalizer``) and
   garbage-collect the RayCluster.
-- :func:`fp8rl.cluster.ray_jobs.submit_to_ray_cluster` talks to a Ray dashboard through
+- :func:`fp8rl.kube.ray_jobs.submit_to_ray_cluster` talks to a Ray dashboard through
   ``ray.job_submission``; the job is stopped if we give up on it (timeout, Ctrl-C).
 
 Timeouts (every blocking wait has one; the defaults shared by both paths live here):
@@ -41,9 +41,9 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from fp8rl.cluster.diagnose import diagnose, image_pull_problems, unschedulable_problems
-from fp8rl.cluster.errors import RayJobFailed, RayJobTimeout
-from fp8rl.cluster.rayjob import CLUSTER_SELECTOR_KEY, RAYJOB_LABEL, ROLE_LABEL, SUBMITTER_CONTAINER
+from fp8rl.kube.diagnose import diagnose, image_pull_problems, unschedulable_problems
+from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube.rayjob import CLUSTER_SELECTOR_KEY, RAYJOB_LABEL, ROLE_LABEL, SUBMITTER_CONTAINER
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
 DEFAULT_TIMEOUT_S = 24 * 3600.0

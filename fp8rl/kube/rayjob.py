@@ -14,7 +14,7 @@ field on any error, and the builders turn it into a complete ``ray.io/v1``
 
 Both use ``submissionMode: K8sJobMode``: a submitter pod runs ``ray job submit``
 and then ``ray job logs --follow``, so its log *is* the driver's log, which is what
-:mod:`fp8rl.cluster.submit` streams. We supply the submitter pod template
+:mod:`fp8rl.kube.submit` streams. We supply the submitter pod template
 ourselves so that it, too, has resources, a restricted securityContext, our
 labels and the Ray token.
 
@@ -39,7 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from fp8rl.config import ConfigError, format_validation_errors
+from fp8rl.config import ConfigError, format_validation_errors, read_yaml
 
 API_VERSION = "ray.io/v1"
 KIND = "RayJob"
@@ -208,13 +208,7 @@ def load_template(path: str | Path) -> RayJobTemplate:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: RayJob template not found (the chart mounts it from its ConfigMap key rayjob.yaml)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of template fields, got {type(data).__name__}")
-    return parse_template(data, str(path))
+    return parse_template(read_yaml(path, mapping_of="expected a mapping of template fields"), str(path))
 
 
 def _check_name(name: str) -> None:

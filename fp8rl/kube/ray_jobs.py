@@ -4,12 +4,12 @@
 ``ray.job_submission``: it submits the entrypoint, streams the driver's log to ``log_sink`` (the
 ``tail_job_logs`` websocket, topped up from ``get_job_logs`` at the end), and returns a
 :class:`RayClusterJobResult` on success. The contract is the RayJob path's
-(:func:`fp8rl.cluster.submit.submit_rayjob`): :class:`~fp8rl.cluster.errors.RayJobFailed` says why
-(the driver's traceback, or Ray's own message), :class:`~fp8rl.cluster.errors.RayJobTimeout` when a
+(:func:`fp8rl.kube.submit.submit_rayjob`): :class:`~fp8rl.kube.errors.RayJobFailed` says why
+(the driver's traceback, or Ray's own message), :class:`~fp8rl.kube.errors.RayJobTimeout` when a
 deadline passes, and the job is stopped if we give up on it (timeout, Ctrl-C).
 
 The Ray SDK's HTTP requests carry no timeout of their own, so each runs in a daemon thread bounded
-by ``request_timeout_s``. Timeout defaults, for both paths: the table in :mod:`fp8rl.cluster.submit`.
+by ``request_timeout_s``. Timeout defaults, for both paths: the table in :mod:`fp8rl.kube.submit`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fp8rl.cluster.diagnose import driver_failure, extract_traceback
-from fp8rl.cluster.errors import RayJobFailed, RayJobTimeout
-from fp8rl.cluster.submit import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_TIMEOUT_S, LOG_TAIL_LINES, LogSink, print_line
+from fp8rl.kube.diagnose import driver_failure, extract_traceback
+from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube.submit import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_TIMEOUT_S, LOG_TAIL_LINES, LogSink, print_line
 
 DEFAULT_RAY_POLL_S = 1.0
 TAIL_STOP_S = 2.0  # for the log-tail thread to notice it was cancelled

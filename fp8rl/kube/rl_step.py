@@ -1,20 +1,23 @@
-"""The RL step as a KubeRay RayJob (the RL-step component's ``rayjob`` backend).
+"""The RL step of one recipe as a KubeRay RayJob running ``fp8rl train``, waited for, its checkpoint brought back.
+
+:func:`run_rl_step_as_rayjob` takes paths, a ``RunConfig`` and MLflow tags (no kfp): it is the RL-step
+pipeline component's ``rayjob`` backend, and any other caller's (the CLI's) way to run a recipe on KubeRay.
 
 Paths are shared: the pipelines mount the data PVC at ``/data`` in the step's pod, and the
 chart's RayJob template (``pvcName``) mounts the same PVC at ``/data`` in every Ray pod, so a
 path under ``cfg.work_dir`` (``/data/fp8rl`` on a cluster) names the same file on both sides.
 
 1. Stage under ``<work_dir>/kfp-runs/<kfp run id>/<recipe>-seed<seed>/``: the input checkpoint
-   (``model/``, copied from the KFP artifact), the run's input files (``inputs/``: a JSONL/Parquet
+   (``model/``, copied from ``model_dir``), the run's input files (``inputs/``: a JSONL/Parquet
    task's files and a Python reward's source, ``fp8rl.tasks.bundle``) and the resolved run config
-   (``run-config.yaml``) naming those copies.
-2. Build the RayJob from the chart's template (``fp8rl.cluster.build_rayjob``); its entrypoint is
+   (``run-config.yaml``) naming those copies. The KFP run id is the ``kfp.run_id`` tag (empty outside KFP).
+2. Build the RayJob from the chart's template (:func:`fp8rl.kube.rayjob.build_rayjob`); its entrypoint is
    ``fp8rl train --config ... --model ... --output-dir .../trained --parent-run-id ... --work-dir ...``.
-3. ``fp8rl.cluster.submit_rayjob`` creates it, streams the driver's log, and raises
+3. :func:`fp8rl.kube.submit.submit_rayjob` creates it, streams the driver's log, and raises
    ``RayJobFailed`` naming the cause (image pull, unschedulable, OOM, the driver's traceback).
 4. The recipe's MLflow run is the child of the comparison run that ``fp8rl train`` made for
-   this recipe and seed; the KFP tags are added to it.
-5. The trained checkpoint is copied from the volume into the step's output artifact.
+   this recipe and seed; ``tags`` (the KFP tags, in a pipeline) are added to it.
+5. The trained checkpoint is copied from the volume into ``output_dir``.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from typing import Any
 import yaml
 
 from fp8rl.atomic import atomic_directory, atomic_write_text
-from fp8rl.cluster.rayjob import MAX_NAME_LENGTH
 from fp8rl.config import RunConfig
 from fp8rl.errors import UserError
+from fp8rl.kube.rayjob import MAX_NAME_LENGTH, build_rayjob, load_template
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 STAGE_DIR = "kfp-runs"
+KFP_RUN_ID_TAG = "kfp.run_id"  # the MLflow tag naming the pipeline run the step belongs to
 
 
 def current_namespace() -> str:
@@ -103,16 +107,16 @@ def run_rl_step_as_rayjob(
 ) -> str:
     """Run ``cfg`` as a RayJob (module docstring); returns the recipe's MLflow run id.
 
-    ``api`` (a ``fp8rl.cluster.KubeApis``) defaults to the in-cluster service account; ``submit``
-    to ``fp8rl.cluster.submit_rayjob`` (both replaceable in tests).
+    ``api`` (a :class:`fp8rl.kube.submit.KubeApis`) defaults to the in-cluster service account; ``submit``
+    to :func:`fp8rl.kube.submit.submit_rayjob` (both replaceable in tests).
     """
-    from fp8rl.cluster import KubeApis, build_rayjob, load_template, submit_rayjob
+    from fp8rl.kube.submit import KubeApis, submit_rayjob  # the kubernetes client: only when submitting
     from fp8rl.tracking import MlflowSink
 
     template = load_template(template_path)
     if not template.pvc_name:
         raise UserError(f"{template_path}: pvcName is empty, so the Ray pods could not read the staged checkpoint")
-    kfp_run_id = tags.get("kfp.run_id", "")
+    kfp_run_id = tags.get(KFP_RUN_ID_TAG, "")
     stage_dir = stage(cfg, model_dir, kfp_run_id)
     name = rayjob_name(cfg.recipe.name, cfg.seed, kfp_run_id)
     entrypoint = train_entrypoint(stage_dir, parent_run_id, cfg.work_dir)
