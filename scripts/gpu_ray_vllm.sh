@@ -12,7 +12,8 @@
 #   bash scripts/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
 #   bash scripts/gpu_ray_vllm.sh ipc                     the CUDA IPC sync: its GPU tests, then the same benchmark with
 #                                                        ray.sync ipc (RECIPES) and objectstore (STORE_RECIPES), detached
-#   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached
+#   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached; with
+#                                                        ENGINE_PROCESS_TOO=1 again with --engine-process, same job
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
 # Results: $OUT/bench_step.json, bench_step.md and ray_vllm.log.
@@ -77,6 +78,9 @@ case $step in
     [ -n "${PYTEST:-}" ] && tests="python3 -m pytest -q -p no:cacheprovider $PYTEST > $RES/pytest.log 2>&1; tail -n 3 $RES/pytest.log; "
     if [ "$step" = overhead ]; then
       job="OUT=$RES python3 scripts/gpu_vllm_overhead.py ${ARGS:-}"
+      # ENGINE_PROCESS_TOO=1: then the same with vLLM's engine core in its own process, results in $RES/engine-process
+      [ -n "${ENGINE_PROCESS_TOO:-}" ] && job="$job; mkdir -p $RES/engine-process; \
+        OUT=$RES/engine-process python3 scripts/gpu_vllm_overhead.py ${ARGS:-} --engine-process"
     elif [ "$step" = run ]; then
       job="$tests$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES)"
     elif [ "$step" = ipc ]; then

@@ -10,7 +10,12 @@ time by category against the wall time (the rest is the host: scheduling, sampli
 the bytes roofline: weights + the mean KV cache read per decode step at the copy bandwidth measured in the same process.
 
     python scripts/gpu_vllm_overhead.py [--variants bf16,fp8,fp8-kv] [--max-tokens 1024] [--batch 256]
-        [--long-tokens 4096] [--long-batch 128]   (--long-tokens 0: no long run)
+        [--long-tokens 4096] [--long-batch 128]   (--long-tokens 0: no long run) [--engine-process]
+
+``--engine-process`` runs vLLM's engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, ``vllm.LLM``
+built with the engine's keyword arguments, no in-place reload), so the frontend's per-step output processing overlaps
+the GPU: the lever the ~7-8 ms host floor of fp8rl's in-process engine points to (docs/benchmarks.md).  No profile
+there (the kernels run in the other process).
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -20,12 +25,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import sys
 import time
 from collections import defaultdict
 from typing import Any
 
-from gpu_vllm import OUT, WORK, engine, free_gpu, kernel_names, start_report
-from gpu_vllm_throughput import QWEN3B, write_random_3b
+ENGINE_PROCESS = "--engine-process" in sys.argv
+if ENGINE_PROCESS:  # before gpu_vllm sets fp8rl's in-process default
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+
+from gpu_vllm import OUT, WORK, engine, free_gpu, kernel_names, start_report  # noqa: E402
+from gpu_vllm_throughput import QWEN3B, write_random_3b  # noqa: E402
 
 FP8RL = "seeded+flat logprobs (fp8rl)"
 GC_OFF = "seeded+flat logprobs, gc off"
@@ -35,6 +46,24 @@ MODES = {  # name: (a seed per request, the sampled token's logprob, as vLLM's f
     "neither": (False, False, False),
     GC_OFF: (True, True, True),  # Python's collector paused during the generate, one full collection after (timed)
 }
+
+
+class ProcessEngine:
+    """``vllm.LLM`` with its engine core in another process, built as fp8rl's engine builds it in-process."""
+
+    def __init__(self, model_dir: Any, recipe: Any, rollout: Any) -> None:
+        import vllm
+
+        from fp8rl.rollout.vllm_engine import vllm_engine_kwargs
+
+        t0 = time.perf_counter()
+        self._vllm = vllm
+        self.llm = vllm.LLM(**vllm_engine_kwargs(model_dir, recipe, rollout))
+        print(f"vLLM engine (own process) up in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
 
 
 def category(kernel: str) -> str:
@@ -104,6 +133,7 @@ def main() -> None:
     p.add_argument("--long-tokens", type=int, default=4096)
     p.add_argument("--profile-tokens", type=int, default=128, help="0: no profiled generate")
     p.add_argument("--repeats", type=int, default=1, help="timed generates per mode, the mode order rotated each time")
+    p.add_argument("--engine-process", action="store_true", help="vLLM's engine core in its own process")
     args = p.parse_args()
     import torch
 
@@ -126,7 +156,12 @@ def main() -> None:
         recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
         if variant == "fp8-kv":
             recipe = recipe.model_copy(update={"kv_cache": "fp8"})
-        e = engine(bf16_dir if variant == "bf16" else fp8_dir, recipe, WORK / "o", rollout=rollout)
+        model_dir = bf16_dir if variant == "bf16" else fp8_dir
+        e = (
+            ProcessEngine(model_dir, recipe, rollout)
+            if ENGINE_PROCESS
+            else engine(model_dir, recipe, WORK / "o", rollout=rollout)
+        )
         v = e._vllm
 
         def params(mode: str, tokens: int, n: int, v: Any = v) -> list[Any]:
@@ -155,7 +190,8 @@ def main() -> None:
             return {"tokens": got, "seconds": seconds, "tokens_per_s": got / seconds,
                     "ms_per_decode_step": seconds / tokens * 1e3}  # fmt: skip
 
-        entry: dict[str, Any] = {"kernels": kernel_names(e), "modes": {}, "long": {}}
+        entry: dict[str, Any] = {"kernels": {} if ENGINE_PROCESS else kernel_names(e), "modes": {}, "long": {}}
+        entry["engine_process"] = ENGINE_PROCESS
         entry["roofline"] = roofline(variant, args.batch, 64, args.max_tokens, bw)
         try:
             e.llm.generate(
@@ -182,7 +218,7 @@ def main() -> None:
                         json.dumps({**results, "variants": {**results["variants"], variant: entry}}, indent=1)
                     )
             prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[: args.batch]]
-            for mode in (FP8RL, "neither") if args.profile_tokens else ():
+            for mode in (FP8RL, "neither") if args.profile_tokens and not ENGINE_PROCESS else ():
                 prof = profile(e, prompts, params(mode, args.profile_tokens, args.batch))
                 entry[f"profile {mode}"] = prof
                 print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
