@@ -124,6 +124,71 @@ def profile(e: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     }
 
 
+def request_params(v: Any, mode: str, tokens: int, n: int) -> list[Any]:
+    """``n`` requests of ``tokens`` new tokens (EOS ignored) with ``mode``'s sampling options."""
+    seeded, logprobs, flat = MODES[mode]
+    return [
+        v.SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
+                         seed=1_000_003 + i if seeded else None, logprobs=0 if logprobs else None, flat_logprobs=flat)
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def timed_generate(e: Any, mode: str, prompts_ids: list[list[int]], tokens: int, n: int) -> dict[str, float]:
+    """One generate of the first ``n`` prompts, wall-clock timed (with ``GC_OFF``, the collection after it too)."""
+    import torch
+
+    prompts = [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:n]]
+    params = request_params(e._vllm, mode, tokens, n)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    if mode == GC_OFF:
+        gc.disable()
+    try:
+        outs = e.llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        if mode == GC_OFF:
+            gc.enable()
+            gc.collect()
+    seconds = time.perf_counter() - t
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "tokens": got,
+        "seconds": seconds,
+        "tokens_per_s": got / seconds,
+        "ms_per_decode_step": seconds / tokens * 1e3,
+    }
+
+
+def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry: dict[str, Any], save: Any) -> None:
+    """Fill ``entry`` for one engine: the timed modes (repeated, order rotated), the long run, the profiles;
+    ``save()`` after each result, so a run cut short keeps what it measured."""
+    e.llm.generate(
+        [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]],
+        request_params(e._vllm, FP8RL, 32, 16),
+        use_tqdm=False,
+    )  # warm-up
+    names = list(MODES)
+    for r in range(args.repeats):
+        for mode in names[r % len(names) :] + names[: r % len(names)]:
+            run = timed_generate(e, mode, prompts_ids, args.max_tokens, args.batch)
+            entry["modes"].setdefault(mode, {"runs": []})["runs"].append(run)
+            print(f"{variant} {mode} (repeat {r + 1}): {json.dumps(run)}", flush=True)
+            save()
+    for runs in entry["modes"].values():
+        steps = sorted(x["ms_per_decode_step"] for x in runs["runs"])
+        runs.update(median_ms_per_decode_step=steps[len(steps) // 2], min_ms=steps[0], max_ms=steps[-1])
+    for mode in (FP8RL, "neither") if args.long_tokens else ():
+        entry["long"][mode] = timed_generate(e, mode, prompts_ids, args.long_tokens, args.long_batch)
+        print(f"{variant} long {mode}: {json.dumps(entry['long'][mode])}", flush=True)
+        save()
+    prompts = [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[: args.batch]]
+    for mode in (FP8RL, "neither") if args.profile_tokens and not ENGINE_PROCESS else ():
+        prof = profile(e, prompts, request_params(e._vllm, mode, args.profile_tokens, args.batch))
+        entry[f"profile {mode}"] = prof
+        print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="bf16,fp8,fp8-kv")
@@ -157,78 +222,23 @@ def main() -> None:
         if variant == "fp8-kv":
             recipe = recipe.model_copy(update={"kv_cache": "fp8"})
         model_dir = bf16_dir if variant == "bf16" else fp8_dir
-        e = (
-            ProcessEngine(model_dir, recipe, rollout)
-            if ENGINE_PROCESS
-            else engine(model_dir, recipe, WORK / "o", rollout=rollout)
-        )
-        v = e._vllm
-
-        def params(mode: str, tokens: int, n: int, v: Any = v) -> list[Any]:
-            seeded, logprobs, flat = MODES[mode]
-            return [
-                v.SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
-                                 seed=1_000_003 + i if seeded else None, logprobs=0 if logprobs else None,
-                                 flat_logprobs=flat)
-                for i in range(n)
-            ]  # fmt: skip
-
-        def timed(mode: str, tokens: int, n: int, v: Any = v, e: Any = e) -> dict[str, float]:
-            prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:n]]
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            if mode == GC_OFF:
-                gc.disable()
-            try:
-                outs = e.llm.generate(prompts, params(mode, tokens, n), use_tqdm=False)
-            finally:
-                if mode == GC_OFF:
-                    gc.enable()
-                    gc.collect()
-            seconds = time.perf_counter() - t
-            got = sum(len(o.outputs[0].token_ids) for o in outs)
-            return {"tokens": got, "seconds": seconds, "tokens_per_s": got / seconds,
-                    "ms_per_decode_step": seconds / tokens * 1e3}  # fmt: skip
-
+        if ENGINE_PROCESS:
+            e = ProcessEngine(model_dir, recipe, rollout)
+        else:
+            e = engine(model_dir, recipe, WORK / "o", rollout=rollout)
         entry: dict[str, Any] = {"kernels": {} if ENGINE_PROCESS else kernel_names(e), "modes": {}, "long": {}}
-        entry["engine_process"] = ENGINE_PROCESS
-        entry["roofline"] = roofline(variant, args.batch, 64, args.max_tokens, bw)
+        entry.update(engine_process=ENGINE_PROCESS, roofline=roofline(variant, args.batch, 64, args.max_tokens, bw))
+        if args.long_tokens:
+            entry["long_roofline"] = roofline(variant, args.long_batch, 64, args.long_tokens, bw)
+        results["variants"][variant] = entry
         try:
-            e.llm.generate(
-                [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]],
-                params(FP8RL, 32, 16),
-                use_tqdm=False,
-            )  # warm-up
-            names = list(MODES)
-            for r in range(args.repeats):
-                for mode in names[r % len(names) :] + names[: r % len(names)]:
-                    run = timed(mode, args.max_tokens, args.batch)
-                    entry["modes"].setdefault(mode, {"runs": []})["runs"].append(run)
-                    print(f"{variant} {mode} (repeat {r + 1}): {json.dumps(run)}", flush=True)
-                    out.write_text(json.dumps({**results, "variants": {**results["variants"], variant: entry}}))
-            for runs in entry["modes"].values():
-                steps = sorted(x["ms_per_decode_step"] for x in runs["runs"])
-                runs.update(median_ms_per_decode_step=steps[len(steps) // 2], min_ms=steps[0], max_ms=steps[-1])
-            if args.long_tokens:
-                entry["long_roofline"] = roofline(variant, args.long_batch, 64, args.long_tokens, bw)
-                for mode in (FP8RL, "neither"):
-                    entry["long"][mode] = timed(mode, args.long_tokens, args.long_batch)
-                    print(f"{variant} long {mode}: {json.dumps(entry['long'][mode])}", flush=True)
-                    out.write_text(
-                        json.dumps({**results, "variants": {**results["variants"], variant: entry}}, indent=1)
-                    )
-            prompts = [v.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[: args.batch]]
-            for mode in (FP8RL, "neither") if args.profile_tokens and not ENGINE_PROCESS else ():
-                prof = profile(e, prompts, params(mode, args.profile_tokens, args.batch))
-                entry[f"profile {mode}"] = prof
-                print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
+            measure(e, variant, args, prompts_ids, entry, save=lambda: out.write_text(json.dumps(results, indent=1)))
         except Exception as err:  # recorded, and the next variant still runs
             entry["error"] = repr(err)
             print(f"{variant} FAILED: {err!r}", flush=True)
         finally:
             e.close()
             free_gpu()
-        results["variants"][variant] = entry
         out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}", flush=True)
 

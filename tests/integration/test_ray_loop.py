@@ -150,7 +150,8 @@ def test_a_killed_actor_is_replaced_and_the_run_resumes_with_every_step_logged_o
 def test_worker_errors_name_the_actor_and_keep_the_original(
     local_ray: object, warm_model: Path, tmp_path: Path
 ) -> None:
-    from fp8rl.cluster.driver import WorkerError, WorkerTimeout, create_ray_parts
+    from fp8rl.cluster.driver import create_ray_parts
+    from fp8rl.cluster.groups import WorkerError, WorkerTimeout
     from fp8rl.rollout.base import SamplingParams
     from fp8rl.train.trainer import build_batch
 
@@ -235,7 +236,9 @@ def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engi
     """kv_cache fp8 on Ray: trainer rank 0 (a real TrainerWorker actor) computes the scales from its policy and
     the driver writes them into every rollout worker.  The rollout workers here are stand-ins that record what
     they are given: the FP8 KV cache is vLLM's, and vLLM cannot run on a CPU."""
-    from fp8rl.cluster.driver import RayParts, RolloutGroup, TrainerGroup, _Calls
+    from fp8rl.cluster.driver import RayParts
+    from fp8rl.cluster.groups import ActorCalls as _Calls
+    from fp8rl.cluster.groups import RolloutGroup, TrainerGroup
     from fp8rl.cluster.workers import TrainerWorker
     from fp8rl.loop import build_trainer, prompt_batch, task_examples
     from fp8rl.models.loading import load_tokenizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fp8rl.cluster.driver import RolloutGroup
+from fp8rl.cluster.groups import RolloutGroup
 
 
 @dataclass

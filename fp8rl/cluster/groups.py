@@ -1,0 +1,196 @@
+"""The actors of one RL step seen from the driver: every wait bounded and named (``ActorCalls``), the rollout
+workers as one engine (``RolloutGroup``) and the trainer ranks as one trainer (``TrainerGroup``), and how an actor
+fails (``WorkerError``, ``WorkerDied``, ``WorkerTimeout``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8rl.config import GRPOConfig
+from fp8rl.errors import UserError
+from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.train.trainer import SequenceBatch, policy_batch_totals
+
+
+class WorkerError(RuntimeError):
+    """An actor raised; the message names the actor and the call, the original is chained."""
+
+
+class WorkerDied(RuntimeError):
+    """An actor is gone (killed, out of memory, node lost); the driver may replace it and resume."""
+
+
+class WorkerTimeout(UserError):
+    """An actor did not answer within ``RayConfig.actor_timeout_s``."""
+
+
+@dataclass
+class ActorCalls:
+    """Waits on actor calls with a deadline, translating Ray's failures into ours."""
+
+    timeout_s: float
+
+    def get(self, refs: Any, what: str | Sequence[str]) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise WorkerTimeout(f"{_names(what)} did not answer within {self.timeout_s:g}s") from None
+        except RayActorError as e:
+            raise WorkerDied(f"{_names(what)}: actor died: {e}") from e
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            raise WorkerError(f"{_names(what)} raised {type(cause).__name__}: {cause}") from cause
+
+
+def _names(what: str | Sequence[str]) -> str:
+    return what if isinstance(what, str) else ", ".join(what)
+
+
+def _row_chunks(n: int, parts: int) -> list[slice]:
+    """Contiguous, near-equal row ranges (the first ones one longer), empty ones dropped."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        if size:
+            out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+def _cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout from several workers' rollouts of consecutive prompt chunks (responses right-padded)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.response_ids.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return Rollout(
+        prompt_ids=[ids for p in parts for ids in p.prompt_ids],
+        response_ids=torch.cat([pad(p.response_ids, pad_id) for p in parts]),
+        response_mask=torch.cat([pad(p.response_mask, 0.0) for p in parts]),
+        logprobs=torch.cat([pad(p.logprobs, 0.0) for p in parts]),
+        finished=torch.cat([p.finished for p in parts]),
+        policy_version=min(p.policy_version for p in parts),
+    )
+
+
+@dataclass
+class RolloutGroup:
+    """The rollout workers behind the ``RolloutEngine`` methods the loop uses."""
+
+    actors: list[Any]
+    calls: ActorCalls
+    colocated: bool
+    pad_token_id: int
+    policy_version: int = 0
+    names: list[str] = field(default_factory=list)
+    # colocated vLLM engines: the device memory their last sleep freed, summed over the workers
+    sleep_freed_bytes: int | None = None
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
+        self.wake_up()
+        chunks = _row_chunks(len(prompt_ids), len(self.actors))
+        refs = []
+        for i, (actor, rows) in enumerate(zip(self.actors, chunks, strict=False)):
+            # each worker samples its chunk with a seed of its own, fixed by the chunk's position
+            params = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + 7919 * i})
+            refs.append(actor.generate.remote(prompt_ids[rows], params))
+        rollouts = self.calls.get(refs, [f"{n}.generate" for n in self.names[: len(refs)]])
+        self.sleep()
+        return _cat_rollouts(rollouts, self.pad_token_id)
+
+    def wake_up(self) -> None:
+        """Colocated engines take their device memory back (generation, weight loads); no-op when split."""
+        if self.colocated:
+            self.calls.get([a.wake_up.remote() for a in self.actors], self.names)
+
+    def sleep(self) -> None:
+        """Colocated engines give their device memory to training; no-op when split."""
+        if self.colocated:
+            freed = self.calls.get([a.sleep.remote() for a in self.actors], self.names)
+            measured = [f for f in freed if f is not None]
+            self.sleep_freed_bytes = sum(measured) if measured else None
+
+
+@dataclass
+class TrainerGroup:
+    """The data-parallel trainer workers behind the trainer methods the loop uses."""
+
+    actors: list[Any]
+    calls: ActorCalls
+    names: list[str] = field(default_factory=list)
+    # fsdp: every rank takes part in every forward and in every gather of the full weights
+    sharded: bool = False
+
+    def lead(self, method: str, *args: Any) -> Any:
+        """``method`` on rank 0, whose answer counts; sharded, on every rank (a collective), rank 0 answering."""
+        if not self.sharded:
+            return self.calls.get(getattr(self.actors[0], method).remote(*args), f"{self.names[0]}.{method}")
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return self.calls.get(refs, [f"{n}.{method}" for n in self.names])[0]
+
+    def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
+        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        if self.sharded:  # a rank with no rows still joins the forwards' all-gathers
+            n = batch.input_ids.shape[0]
+            chunks += [slice(n, n)] * (len(self.actors) - len(chunks))
+        refs = [
+            a.compute_logprobs.remote(batch.slice(rows), temperature)
+            for a, rows in zip(self.actors, chunks, strict=False)
+        ]
+        return torch.cat(self.calls.get(refs, [f"{n}.compute_logprobs" for n in self.names[: len(refs)]]))
+
+    def policy_step(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        is_weights: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        loss_cfg: GRPOConfig,
+        temperature: float,
+    ) -> dict[str, float]:
+        totals = policy_batch_totals(loss_mask)
+        # every rank takes part in the gradient all-reduce, so every rank gets rows
+        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        if len(chunks) < len(self.actors):
+            raise ValueError(f"a batch of {batch.input_ids.shape[0]} rows cannot feed {len(self.actors)} trainer ranks")
+        refs = [
+            a.policy_step.remote(
+                batch.slice(rows),
+                advantages[rows],
+                old_logprobs[rows],
+                None if is_weights is None else is_weights[rows],
+                loss_mask[rows],
+                loss_cfg,
+                temperature,
+                totals,
+            )
+            for a, rows in zip(self.actors, chunks, strict=True)
+        ]
+        per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
+        # each rank's loss and metrics are its exact share of the global ones; norm and lr are global
+        out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in per_rank[0]}
+        for global_key in ("grad_norm", "lr"):
+            out[global_key] = per_rank[0][global_key]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.lead("state_dict")
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import ray
+
+        ref = ray.put(state)
+        self.calls.get([a.load_state_dict.remote(ref) for a in self.actors], self.names)
