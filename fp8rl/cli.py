@@ -305,7 +305,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     bench = StepBench(
         recipes=[r for r in args.recipes.split(",") if r], prompts=args.prompts, samples=args.samples,
         max_tokens=args.max_tokens, steps=args.steps, warmup=args.warmup, device=device,
-        micro_batch_tokens=args.micro_batch_tokens,
+        micro_batch_tokens=args.micro_batch_tokens, verify_sync=args.verify_sync,
     )  # fmt: skip
     if not bench.recipes:
         raise UserError("--recipes: name at least one recipe")
@@ -434,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--experiment", default="fp8rl-bench")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    p.add_argument(
+        "--verify-sync", action="store_true",
+        help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",
+    )  # fmt: skip
     p.add_argument(
         "--one-process", action="store_true",
         help="run every recipe in this process (default: one process per recipe; vLLM starts once per process)",

@@ -14,9 +14,19 @@
 #                                                        ray.sync ipc (RECIPES) and objectstore (STORE_RECIPES), detached
 #   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached; with
 #                                                        ENGINE_PROCESS_TOO=1 again with --engine-process, same job
+#   bash scripts/gpu_ray_vllm.sh x2                      two GPUs (nvidia-h100-x2), detached, in order, the parts named in
+#                                                        X2 (default "tests split overhead fsdp"): tests = the 2-GPU
+#                                                        GPU tests (FSDP over NCCL, vLLM on Ray split/colocated, every
+#                                                        sync verified); split = the step, split layout + NCCL sync
+#                                                        (SPLIT_SHAPE, default llama-1b: a replicated trainer's
+#                                                        ~20 bytes a parameter fill one 80 GB GPU near 3B);
+#                                                        overhead = gpu_vllm_overhead.py
+#                                                        in-process on GPU 0 and --engine-process on GPU 1 at once
+#                                                        (ARGS); fsdp = the step, 2 FSDP trainer ranks + vLLM colocated
+#                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES)
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
-# Results: $OUT/bench_step.json, bench_step.md and ray_vllm.log.
+# Results: $OUT/ray_vllm.log and $OUT/results.tar.gz (every .json, .md and .log the job wrote under /tmp/res).
 set -uo pipefail
 step=${1:?step}; arg=${2:-}
 OUT=${OUT:-.}
@@ -65,12 +75,12 @@ case $step in
     PYTHONPATH=/tmp/site python3 -c "import ray, vllm; print('IMPORT_OK ray', ray.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
     echo "SETUP_SECONDS $(( $(date +%s) - T0 ))"
     ;;
-  run|ipc|overhead|poll)
+  run|ipc|overhead|x2|poll)
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
     mkdir -p $RES
-    bench() {  # bench <config> <recipes> <out dir>
-      echo "python3 -m fp8rl bench step --shape ${SHAPE:-llama-1b} --config $1 --recipes $2 --prompts ${PROMPTS:-16} \
+    bench() {  # bench <config> <recipes> <out dir> [shape]
+      echo "python3 -m fp8rl bench step --shape ${4:-${SHAPE:-llama-1b}} --config $1 --recipes $2 --prompts ${PROMPTS:-16} \
         --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow \
         --out $3 --work-dir /tmp/work"
     }
@@ -81,6 +91,26 @@ case $step in
       # ENGINE_PROCESS_TOO=1: then the same with vLLM's engine core in its own process, results in $RES/engine-process
       [ -n "${ENGINE_PROCESS_TOO:-}" ] && job="$job; mkdir -p $RES/engine-process; \
         OUT=$RES/engine-process python3 scripts/gpu_vllm_overhead.py ${ARGS:-} --engine-process"
+    elif [ "$step" = x2 ]; then
+      job="nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; true"
+      for part in ${X2:-tests split overhead fsdp}; do
+        case $part in
+          tests) job="$job; python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sharded_trainer_cuda.py \
+                   tests/gpu/test_ray_vllm.py ${PYTEST:-} > $RES/pytest_x2.log 2>&1; tail -n 5 $RES/pytest_x2.log";;
+          split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
+                   "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
+          overhead) A="${ARGS:---variants bf16,fp8-kv --modes fp8rl,neither --long-tokens 0 --profile-tokens 0}"
+                 job="$job; echo PART overhead; mkdir -p $RES/overhead/in-process $RES/overhead/engine-process; \
+                   CUDA_VISIBLE_DEVICES=0 OUT=$RES/overhead/in-process python3 scripts/gpu_vllm_overhead.py $A \
+                      > $RES/overhead/in-process/run.log 2>&1 & \
+                   CUDA_VISIBLE_DEVICES=1 OUT=$RES/overhead/engine-process FP8RL_GPU_WORK=/tmp/fp8rl-vllm-ep python3 \
+                      scripts/gpu_vllm_overhead.py $A --engine-process > $RES/overhead/engine-process/run.log 2>&1 & \
+                   wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
+          fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
+                   $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
+          *) echo "unknown x2 part $part"; exit 2;;
+        esac
+      done
     elif [ "$step" = run ]; then
       job="$tests$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES)"
     elif [ "$step" = ipc ]; then
@@ -100,8 +130,9 @@ case $step in
       sleep 5; n=$(wc -l < $RES/ray_vllm.log 2>/dev/null || echo 0)
       [ "$n" -gt "$seen" ] && { sed -n "$((seen + 1)),${n}p" $RES/ray_vllm.log | grep -v "Warning\|warn(" | cut -c1-250; seen=$n; }
     done
-    (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' | while read -r f; do
-      mkdir -p "$OUT/$(dirname "$f")" && cp -f "$f" "$OUT/$f"; done)
+    # at most 8 files come back: the log, and everything in one archive
+    mkdir -p "$OUT"; cp -f $RES/ray_vllm.log "$OUT/" 2>/dev/null
+    (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' | tar -czf "$OUT/results.tar.gz" -T -)
     [ -e $RES/done ] && echo "RUN DONE: $(tail -n 1 $RES/ray_vllm.log)" || echo "RUN STILL GOING: poll"
     ;;
   *) echo "unknown step $step"; exit 2;;

@@ -168,7 +168,7 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
         request_params(e._vllm, FP8RL, 32, 16),
         use_tqdm=False,
     )  # warm-up
-    names = list(MODES)
+    names = [m for m in MODES if m in args.modes] if args.modes else list(MODES)
     for r in range(args.repeats):
         for mode in names[r % len(names) :] + names[: r % len(names)]:
             run = timed_generate(e, mode, prompts_ids, args.max_tokens, args.batch)
@@ -199,7 +199,13 @@ def main() -> None:
     p.add_argument("--profile-tokens", type=int, default=128, help="0: no profiled generate")
     p.add_argument("--repeats", type=int, default=1, help="timed generates per mode, the mode order rotated each time")
     p.add_argument("--engine-process", action="store_true", help="vLLM's engine core in its own process")
+    p.add_argument("--modes", default="", help="comma-separated subset of the modes (fp8rl, dicts, neither, gc-off)")
     args = p.parse_args()
+    short = {"fp8rl": FP8RL, "dicts": "seeded+logprob dicts", "neither": "neither", "gc-off": GC_OFF}
+    unknown = [m for m in args.modes.split(",") if m and m not in short]
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; expected some of {sorted(short)}")
+    args.modes = [short[m] for m in args.modes.split(",") if m]
     import torch
 
     from fp8rl.bench.kernels import copy_bandwidth_gbs

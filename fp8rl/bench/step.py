@@ -111,6 +111,8 @@ class StepBench:
     device: str = "auto"
     # None: the config's optim.micro_batch_tokens, else DEFAULT_MICRO_BATCH_TOKENS
     micro_batch_tokens: int | None = None
+    # keep the bit-exact check of every weight sync (its time counts in the sync's); off: timing only
+    verify_sync: bool = False
 
 
 def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: str) -> RunConfig:
@@ -142,7 +144,8 @@ def run_step_bench(
         if isolate:
             results.append(_in_subprocess(cfg, model_dir, bench, log))
             continue
-        results.append(benchmark_recipe(cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log))
+        verify = bench.verify_sync
+        results.append(benchmark_recipe(cfg, model_dir, bench.device, bench.steps, bench.warmup, log, verify))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
@@ -159,7 +162,7 @@ def _in_subprocess(
         cfg_path, out_path = Path(tmp) / "run.json", Path(tmp) / "result.json"
         cfg_path.write_text(cfg.model_dump_json())
         cmd = [sys.executable, "-m", "fp8rl.bench.step", str(cfg_path), str(model_dir), bench.device,
-               str(bench.steps), str(bench.warmup), str(out_path)]  # fmt: skip
+               str(bench.steps), str(bench.warmup), str(out_path), str(int(bench.verify_sync))]  # fmt: skip
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             assert proc.stdout is not None
             tail: list[str] = []
@@ -175,10 +178,12 @@ def _in_subprocess(
 
 
 def _subprocess_main(argv: Sequence[str]) -> None:
-    """``python -m fp8rl.bench.step RUN_JSON MODEL DEVICE STEPS WARMUP OUT_JSON``: one recipe, for ``isolate``."""
-    cfg_path, model_dir, device, steps, warmup, out = argv
+    """``python -m fp8rl.bench.step RUN_JSON MODEL DEVICE STEPS WARMUP OUT_JSON VERIFY``: one recipe, for
+    ``isolate``."""
+    cfg_path, model_dir, device, steps, warmup, out, verify = argv
     cfg = RunConfig.model_validate_json(Path(cfg_path).read_text())
-    result = benchmark_recipe(cfg, model_dir, device, int(steps), int(warmup), log=lambda line: print(line, flush=True))
+    result = benchmark_recipe(cfg, model_dir, device, int(steps), int(warmup),
+                              log=lambda line: print(line, flush=True), verify_sync=verify == "1")  # fmt: skip
     atomic_write_text(out, json.dumps(result.to_dict()))
 
 
@@ -211,7 +216,8 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
     lines = [
         f"RL step benchmark: {meta.get('model')} on {meta.get('device_name')}, {meta.get('prompts')} prompts x "
         f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens, median of {meta.get('steps')} steps "
-        f"after {meta.get('warmup')} warm-up",
+        f"after {meta.get('warmup')} warm-up"
+        + (", every weight sync verified bit for bit" if meta.get("verify_sync") else ""),
         "",
         "| recipe | step s | vs bf16 | generate s | logprob s | train s | sync s | idle s | rollout tok/s | "
         "vs bf16 | train tok/s | vs bf16 | padding | peak GB |",
@@ -224,6 +230,8 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             return f"{up[key]:.2f}x" if key in up else "-"
 
         peak = f"{r.peak_memory_gb:.1f}" if r.peak_memory_gb is not None else "-"
+        if r.gpu_peak_memory_gb and len(r.gpu_peak_memory_gb) > 1:  # Ray on several GPUs: each, in UUID order
+            peak = " / ".join(f"{r.gpu_peak_memory_gb[g]:.1f}" for g in sorted(r.gpu_peak_memory_gb))
         lines.append(
             f"| {r.recipe} | {r.step_s:.2f} | {x('step')} | {r.generate_s:.2f} | {r.logprob_s:.2f} | {r.train_s:.2f} "
             f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
@@ -250,7 +258,7 @@ def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResul
 
     meta: dict[str, Any] = {
         "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
-        "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes),
+        "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes), "verify_sync": bench.verify_sync,
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
     }  # fmt: skip
@@ -281,6 +289,8 @@ def log_to_mlflow(
                 metrics = {**r.metrics(), "bench/idle_s": r.idle_s}
                 if r.peak_memory_gb is not None:
                     metrics["bench/peak_memory_gb"] = r.peak_memory_gb
+                for i, gpu in enumerate(sorted(r.gpu_peak_memory_gb or {})):  # Ray: each GPU, in UUID order
+                    metrics[f"bench/gpu{i}_peak_memory_gb"] = (r.gpu_peak_memory_gb or {})[gpu]
                 metrics.update({f"bench/speedup_{k}": v for k, v in ups.get(r.recipe, {}).items()})
                 child.log_metrics(metrics, step=0)
         return parent.run_id

@@ -11,7 +11,9 @@ Each step reports, from its own ``time.perf_counter`` stamps:
 - step seconds = the whole step, and its parts: generate, logprob (the trainer's recompute),
   train (the optimizer step), sync, and idle (the rest: rewards, advantages, bookkeeping);
 - padding waste = the share of the tokens the trainer's forwards ran that were padding;
-- peak GPU memory of this process (the one-process loop; on Ray the actors' memory is theirs).
+- peak GPU memory: the one-process loop, this process's CUDA allocations; on Ray, each GPU's used
+  memory as nvidia-smi counts it (every process on it), sampled by the actors over the timed steps
+  (``fp8rl.cluster.memory``), the largest GPU in ``peak_memory_gb`` and each in ``gpu_peak_memory_gb``.
 
 The result is the median over the timed steps of each (robust to one slow step). Response
 tokens are counted from the response mask, so a recipe whose policy stops earlier gets fewer
@@ -78,7 +80,10 @@ class ThroughputResult:
     # parts of sync_s as the transport timed them: requantize (+ pack), transfer + load (+ verify)
     sync_requantize_s: float = 0.0
     sync_load_s: float = 0.0
-    peak_memory_gb: float | None = None  # this process's peak CUDA allocation (None: CPU, or Ray actors)
+    # one process: its peak CUDA allocation; Ray: the fullest GPU's peak used memory (None: CPU, no NVML)
+    peak_memory_gb: float | None = None
+    # Ray on GPUs: the peak used memory of each GPU (by UUID) over the timed steps
+    gpu_peak_memory_gb: dict[str, float] | None = None
     # part of sync_s: the FP8 KV-cache recalibration after the push (None: a bf16 KV cache)
     kv_calibrate_s: float | None = None
     # colocated vLLM rollout workers: device memory their engines freed by sleeping (None: not measured)
@@ -119,17 +124,19 @@ def benchmark_recipe(
     steps: int = 3,
     warmup_steps: int = 1,
     log: Callable[[str], None] = print,
+    verify_sync: bool = False,
 ) -> ThroughputResult:
     """Time ``steps`` RL steps of ``cfg`` (after ``warmup_steps`` untimed ones) from the checkpoint ``model_dir``.
 
     Uses ``cfg.grpo`` (prompts per step x group size), ``cfg.sampling`` and the recipe; the policy is
     updated as in training, so the timed steps are real steps. The bit-exact sync check
-    (``cfg.verify_sync``) is turned off: it is a test of the sync, not part of its cost.
+    (``cfg.verify_sync``) is turned off unless ``verify_sync``: it is a test of the sync, not part of its cost
+    (with it, a mismatch fails the step and the check's time is part of the sync's).
     """
     if steps < 1 or warmup_steps < 0:
         raise ValueError(f"need steps >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
     device = resolve_device(device)
-    cfg = cfg.model_copy(update={"verify_sync": False})
+    cfg = cfg.model_copy(update={"verify_sync": verify_sync})
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     cuda = device.startswith("cuda")
@@ -152,6 +159,8 @@ def benchmark_recipe(
     timed: list[dict[str, float]] = []
     try:
         for step in range(1, warmup_steps + steps + 1):
+            if step == warmup_steps + 1 and hasattr(parts, "gpu_peaks"):
+                parts.gpu_peaks(reset=True)  # the Ray actors' GPUs: peaks of the timed steps only
             metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
             if cuda:
                 torch.cuda.synchronize()
@@ -165,6 +174,7 @@ def benchmark_recipe(
             )
             if step > warmup_steps:
                 timed.append(metrics)
+        gpu_peaks = parts.gpu_peaks() if hasattr(parts, "gpu_peaks") else {}
     finally:
         try:
             _close(parts)
@@ -175,7 +185,11 @@ def benchmark_recipe(
     for key, field in OPTIONAL_STEP_METRICS.items():
         if timed and all(key in m for m in timed):
             optional[field] = statistics.median(m[key] for m in timed)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
+    per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks.items()} or None
+    if cfg.ray is None:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    else:
+        peak = max(per_gpu.values()) if per_gpu else None
     return ThroughputResult(
         recipe=cfg.recipe.name,
         device=device,
@@ -183,6 +197,7 @@ def benchmark_recipe(
         steps=steps,
         warmup_steps=warmup_steps,
         peak_memory_gb=peak,
+        gpu_peak_memory_gb=per_gpu,
         **medians,
         **optional,
     )

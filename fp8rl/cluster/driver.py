@@ -33,6 +33,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from fp8rl.cluster.groups import ActorCalls, RolloutGroup, TrainerGroup, WorkerDied
+from fp8rl.cluster.memory import merge_peaks
 from fp8rl.cluster.placement import bundles, names_of, place, start_actors
 from fp8rl.config import RayConfig, RunConfig
 from fp8rl.errors import UserError
@@ -129,6 +130,14 @@ class RayParts:
 
     def save_policy(self, output_dir: str | Path) -> None:
         self.trainer.lead("save_policy", str(output_dir), self.model_dir)
+
+    def gpu_peaks(self, reset: bool = False) -> dict[str, int]:
+        """``{GPU UUID: peak bytes in use}`` over every actor's GPU since the start or the last reset (the
+        whole GPU, as nvidia-smi counts it: colocated actors share one entry); ``{}`` on CPUs."""
+        actors = self.trainer.actors + self.engine.actors
+        names = [*self.trainer.names, *self.engine.names]
+        reports = self.trainer.calls.get([a.gpu_peak.remote(reset) for a in actors], [f"{n}.gpu_peak" for n in names])
+        return merge_peaks(reports)
 
     def shutdown(self) -> None:
         import ray

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
 from fp8rl.config import GRPOConfig, parse_run_config
 from fp8rl.loop import build_engine, build_trainer, quant_spec
 from fp8rl.rollout.base import Rollout, SamplingParams
@@ -81,7 +82,25 @@ def _set_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-class TrainerWorker:
+class _PeakMemory:
+    """The peak used memory of this actor's GPU (``fp8rl.cluster.memory``); nothing on CPU actors."""
+
+    _sampler: PeakMemorySampler | None = None
+    _gpu: str = ""
+
+    def _start_sampler(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            index = device.index or 0
+            self._sampler, self._gpu = gpu_sampler(index), gpu_key(index)
+
+    def gpu_peak(self, reset: bool = False) -> dict[str, int] | None:
+        """``{GPU UUID: most bytes in use}`` since the start or the last reset; None without a sampler."""
+        if self._sampler is None:
+            return None
+        return {self._gpu: self._sampler.peak(reset)}
+
+
+class TrainerWorker(_PeakMemory):
     """One data-parallel rank of the trainer."""
 
     def __init__(
@@ -108,8 +127,10 @@ class TrainerWorker:
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
+        self._start_sampler(torch.device(device))
         self.trainer = build_trainer(self.cfg, model_dir, device)
         self.sharded = self.trainer.sharded
+        self.colocated = self.cfg.ray is not None and self.cfg.ray.layout == "colocated"
         self._shared_buffer: torch.Tensor | None = None  # what share_rollout_payload handed out (CUDA IPC)
         if world_size > 1 and not self.sharded:
             self.trainer.optimizer.grad_reducer = self._sum_across_ranks
@@ -139,9 +160,17 @@ class TrainerWorker:
         temperature: float,
         totals: tuple[float, float],
     ) -> dict[str, float]:
-        return self.trainer.policy_step(
+        metrics = self.trainer.policy_step(
             batch, advantages, old_logprobs, is_weights, loss_mask, loss_cfg, temperature, totals=totals
         )
+        self._hand_back_cached_memory()
+        return metrics
+
+    def _hand_back_cached_memory(self) -> None:
+        """Colocated on a GPU, the engine wakes up next: the blocks this rank's caching allocator holds
+        but no tensor uses (activations, gathered weights) go back to the driver so vLLM can take them."""
+        if self.colocated and self.trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _full_weights(self) -> dict[str, torch.Tensor] | None:
         """The full bf16 weights on the rank that answers (0); sharded, every rank joins the gather."""
@@ -175,6 +204,7 @@ class TrainerWorker:
         del payload, weights
         torch.cuda.synchronize(buffer.device)  # the seconds returned include the pack
         self._shared_buffer = buffer
+        self._hand_back_cached_memory()
         return shared, time.perf_counter() - t0
 
     def release_shared(self) -> None:
@@ -248,12 +278,13 @@ class TrainerWorker:
         return os.getpid()
 
 
-class RolloutWorker:
+class RolloutWorker(_PeakMemory):
     """One rollout engine; generation for its share of the prompts."""
 
     def __init__(self, cfg_data: dict[str, Any], model_dir: str, device: str = "cpu", num_threads: int = 0) -> None:
         _set_threads(num_threads)
         self.cfg = parse_run_config(cfg_data, "rollout worker config")
+        self._start_sampler(torch.device(device))
         self.engine = build_engine(self.cfg, model_dir, device)
 
     def fp8_weight_names(self) -> list[str]:

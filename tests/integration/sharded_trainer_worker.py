@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
     args = ap.parse_args()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = TrainerOptions(

@@ -27,4 +27,6 @@ def test_bench_on_ray_starts_and_stops_a_local_ray(tiny_models: dict[str, Path],
     result = benchmark_recipe(cfg, tiny_models["tiny"], "cpu", steps=1, warmup_steps=0, log=lines.append)
     assert result.rollout_tokens_per_s > 0 and result.train_tokens_per_s > 0 and result.sync_bytes > 0
     assert any("timed" in line for line in lines)
+    # CPU actors have no GPU to sample: no peak is made up
+    assert result.peak_memory_gb is None and result.gpu_peak_memory_gb is None
     assert not ray.is_initialized()  # the benchmark's own Ray is shut down with it

@@ -166,9 +166,11 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
 
     work = tmp_path / "work"
     argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16,fp8-e2e", "--prompts", "2", "--samples", "2",
-            "--max-tokens", "24", "--steps", "2", "--warmup", "1", "--device", "cpu", "--work-dir", str(work)]  # fmt: skip
+            "--max-tokens", "24", "--steps", "2", "--warmup", "1", "--device", "cpu", "--work-dir", str(work),
+            "--verify-sync"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((work / "bench-step" / "bench_step.json").read_text())
+    assert doc["meta"]["verify_sync"] is True
     by = {r["recipe"]: r for r in doc["results"]}
     assert list(by) == ["bf16", "fp8-e2e"] and doc["meta"]["max_tokens"] == 24
     for r in by.values():
@@ -181,6 +183,7 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     assert up["step"] == pytest.approx(by["bf16"]["step_s"] / by["fp8-e2e"]["step_s"])
     table = (work / "bench-step" / "bench_step.md").read_text()
     assert "| fp8-e2e |" in table and f"{up['step']:.2f}x" in table
+    assert "every weight sync verified bit for bit" in table
     assert "MLflow comparison run" in capsys.readouterr().out
     client = MlflowClient(tracking_uri=configure_mlflow(work))
     (exp,) = [e for e in client.search_experiments() if e.name == "fp8rl-bench"]
@@ -249,3 +252,20 @@ def test_step_report_names_kv_recalibration_and_sleep_memory_where_measured() ->
         "- fp8-e2e-kv: FP8 KV-cache recalibration 0.400 s of the sync; the sleeping rollout engine freed 21.5 GB" in md
     )
     assert "- bf16" not in md
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_bench_checks_every_sync_only_when_asked(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    import fp8rl.sync.inprocess as inprocess
+    from fp8rl.bench.throughput import benchmark_recipe
+    from fp8rl.config import RunConfig, load_recipe
+
+    checked: list[int] = []
+    real = inprocess.verify_engine_weights
+    monkeypatch.setattr(inprocess, "verify_engine_weights", lambda e, p, v: (checked.append(v), real(e, p, v)))
+    cfg = RunConfig.model_validate({"recipe": load_recipe("fp8-e2e"), "grpo": {"prompts_per_step": 2, "group_size": 2},
+                                    "work_dir": str(tmp_path), "verify_sync": True})  # fmt: skip
+    benchmark_recipe(cfg, tiny_models["tiny"], "cpu", steps=2, warmup_steps=1, log=lambda _: None, verify_sync=verify)
+    assert checked == ([1, 2, 3] if verify else [])  # the config's verify_sync alone does not turn it on

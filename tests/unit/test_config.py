@@ -137,3 +137,21 @@ def test_ipc_sync_pairs_each_rollout_worker_with_a_trainer_rank_on_its_gpu() -> 
     with pytest.raises(ConfigError, match=r"'fsdp' serves one rollout worker .* got ray.rollout_workers 2"):
         parse_run_config({"recipe": E2E, "ray": {"trainer_workers": 2, "rollout_workers": 2, "layout": "colocated",
                                                  "trainer_sharding": "fsdp", "sync": "ipc"}})  # fmt: skip
+
+
+def test_every_shipped_config_file_parses() -> None:
+    """docs/configs holds run configs (the benchmarks' and examples') and recipe files: each must load as what it
+    is, so a command in the docs does not fail on its own config."""
+    from pathlib import Path
+
+    from fp8rl.config import load_recipe, parse_run_config, read_yaml
+
+    files = sorted((Path(__file__).parents[2] / "docs" / "configs").glob("*.yaml"))
+    assert len(files) >= 10
+    for path in files:
+        data = read_yaml(path)
+        if "rollout_precision" in data:  # a recipe file
+            assert load_recipe(str(path)).name
+            continue
+        data.setdefault("recipe", load_recipe("fp8-e2e"))
+        assert parse_run_config(data, str(path)) is not None
