@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fp8rl.errors import UserError
 
@@ -143,15 +143,7 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
         "checkpoint_every": args.checkpoint_every,
     }
     base.update({k: v for k, v in flags.items() if v is not None})
-    ray_flags = {
-        "trainer_workers": args.trainer_workers,
-        "rollout_workers": args.rollout_workers,
-        "address": args.ray_address,
-        "layout": args.layout,
-        "trainer_sharding": args.trainer_sharding,
-    }
-    if any(v is not None for v in ray_flags.values()):
-        base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
+    apply_ray_flags(base, args)
     base.pop("recipe", None)
     source = args.config or "command line"
     out = []
@@ -160,6 +152,39 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
         for seed in seeds:
             out.append(parse_run_config({**base, "recipe": recipe, "seed": seed}, source))
     return out
+
+
+def apply_ray_flags(base: dict[str, Any], args: argparse.Namespace) -> None:
+    """The Ray flags given (``add_ray_arguments``) over the config's ``ray`` section; any of them turns Ray on."""
+    ray_flags = {
+        "trainer_workers": args.trainer_workers,
+        "rollout_workers": args.rollout_workers,
+        "address": args.ray_address,
+        "layout": args.layout,
+        "trainer_sharding": args.trainer_sharding,
+        "sync": args.sync,
+    }
+    if any(v is not None for v in ray_flags.values()):
+        base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
+
+
+def add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    ray = p.add_argument_group("Ray (any of these runs the loop on Ray actors; they override the config's ray)")
+    ray.add_argument("--trainer-workers", type=int, default=None, metavar="N", help="data-parallel trainer actors")
+    ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
+    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
+    ray.add_argument(
+        "--layout", choices=["split", "colocated"], default=None,
+        help="split: a GPU per actor; colocated: trainer rank i and rollout worker i share one",
+    )  # fmt: skip
+    ray.add_argument(
+        "--trainer-sharding", choices=["replicate", "fsdp"], default=None,
+        help="fsdp: shard the fp32 masters and AdamW state across the trainer actors (FSDP2)",
+    )  # fmt: skip
+    ray.add_argument(
+        "--sync", choices=["objectstore", "collective", "ipc"], default=None,
+        help="weight sync: Ray's object store, an NCCL/gloo broadcast, or CUDA IPC (colocated GPUs)",
+    )  # fmt: skip
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -227,15 +252,7 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--checkpoint-dir", default=None, help="checkpoint the loop here; a rerun resumes from it (one recipe and seed)"
     )
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N steps")
-    ray = p.add_argument_group("Ray (any of these runs the loop on Ray actors)")
-    ray.add_argument("--trainer-workers", type=int, default=None, metavar="N", help="data-parallel trainer actors")
-    ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
-    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
-    ray.add_argument("--layout", choices=["split", "colocated"], default=None, help="actor placement")
-    ray.add_argument(
-        "--trainer-sharding", choices=["replicate", "fsdp"], default=None,
-        help="fsdp: shard the fp32 masters and AdamW state across the trainer actors (FSDP2)",
-    )  # fmt: skip
+    add_ray_arguments(p)
     p.set_defaults(func=_cmd_train)
 
 
@@ -300,6 +317,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
         raise UserError("bench step: give exactly one of --model DIR or --shape NAME")
     base = load_run_config_data(args.config) if args.config else {}
     base.pop("recipe", None)
+    apply_ray_flags(base, args)
     work = args.work_dir or base.get("work_dir", "work")
     device = resolve_device(args.device)
     bench = StepBench(
@@ -318,7 +336,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate)
     doc, table = report(results, run_metadata(args.shape or str(model), bench, results))
     out = Path(args.out or Path(work) / "bench-step")
-    files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md")
+    files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
     print(table)
     print("wrote " + ", ".join(str(f) for f in files))
     if not args.no_mlflow:
@@ -429,11 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
     p.add_argument("--work-dir", default=None)
-    p.add_argument(
-        "--out", default=None, help="directory for bench_step.json and bench_step.md (default WORK/bench-step)"
-    )
+    p.add_argument("--out", default=None, help="directory for bench_step.json, .md and .png (default WORK/bench-step)")
     p.add_argument("--experiment", default="fp8rl-bench")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    add_ray_arguments(p)
     p.add_argument(
         "--verify-sync", action="store_true",
         help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",

@@ -230,8 +230,8 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             return f"{up[key]:.2f}x" if key in up else "-"
 
         peak = f"{r.peak_memory_gb:.1f}" if r.peak_memory_gb is not None else "-"
-        if r.gpu_peak_memory_gb and len(r.gpu_peak_memory_gb) > 1:  # Ray on several GPUs: each, in UUID order
-            peak = " / ".join(f"{r.gpu_peak_memory_gb[g]:.1f}" for g in sorted(r.gpu_peak_memory_gb))
+        if r.gpu_peak_memory_gb and len(r.gpu_peak_memory_gb) > 1:  # Ray on several GPUs: each, named by its actors
+            peak = ", ".join(f"{actors} {gb:.1f}" for actors, gb in r.gpu_peak_memory_gb.items())
         lines.append(
             f"| {r.recipe} | {r.step_s:.2f} | {x('step')} | {r.generate_s:.2f} | {r.logprob_s:.2f} | {r.train_s:.2f} "
             f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
@@ -287,16 +287,15 @@ def log_to_mlflow(
             with MlflowSink(experiment, r.recipe, work_dir, parent_run_id=parent.run_id, tags=tags) as child:
                 child.log_params(tags)
                 metrics = {**r.metrics(), "bench/idle_s": r.idle_s}
-                if r.peak_memory_gb is not None:
-                    metrics["bench/peak_memory_gb"] = r.peak_memory_gb
-                for i, gpu in enumerate(sorted(r.gpu_peak_memory_gb or {})):  # Ray: each GPU, in UUID order
-                    metrics[f"bench/gpu{i}_peak_memory_gb"] = (r.gpu_peak_memory_gb or {})[gpu]
                 metrics.update({f"bench/speedup_{k}": v for k, v in ups.get(r.recipe, {}).items()})
                 child.log_metrics(metrics, step=0)
         return parent.run_id
 
 
-def write_outputs(doc: dict[str, Any], table: str, json_path: Path | None, md_path: Path | None) -> list[Path]:
+def write_outputs(
+    doc: dict[str, Any], table: str, json_path: Path | None, md_path: Path | None, png_path: Path | None = None
+) -> list[Path]:
+    """The JSON document, the Markdown table and the plot (each written atomically); the paths written."""
     written = []
     if json_path is not None:
         atomic_write_text(json_path, json.dumps(doc, indent=2) + "\n")
@@ -304,6 +303,16 @@ def write_outputs(doc: dict[str, Any], table: str, json_path: Path | None, md_pa
     if md_path is not None:
         atomic_write_text(md_path, table)
         written.append(md_path)
+    if png_path is not None and doc["results"]:
+        from fp8rl.tracking.plots import plot_step_breakdown
+
+        phases = ("generate_s", "logprob_s", "train_s", "sync_s", "idle_s")
+        breakdown = {r["recipe"]: {p.removesuffix("_s"): r[p] for p in phases} for r in doc["results"]}
+        ups = {r["recipe"]: r["speedup_vs_bf16"] or {} for r in doc["results"]}
+        meta = doc["meta"]
+        title = (f"{meta.get('model')} on {meta.get('device_name')}: {meta.get('prompts')} prompts x "
+                 f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens")  # fmt: skip
+        written.append(plot_step_breakdown(breakdown, ups, png_path, title))
     return written
 
 

@@ -13,7 +13,8 @@ Each step reports, from its own ``time.perf_counter`` stamps:
 - padding waste = the share of the tokens the trainer's forwards ran that were padding;
 - peak GPU memory: the one-process loop, this process's CUDA allocations; on Ray, each GPU's used
   memory as nvidia-smi counts it (every process on it), sampled by the actors over the timed steps
-  (``fp8rl.cluster.memory``), the largest GPU in ``peak_memory_gb`` and each in ``gpu_peak_memory_gb``.
+  (``fp8rl.cluster.memory``), the fullest GPU in ``peak_memory_gb`` and each, named by the actors on it
+  (``trainer-0+rollout-0``), in ``gpu_peak_memory_gb``.
 
 The result is the median over the timed steps of each (robust to one slow step). Response
 tokens are counted from the response mask, so a recipe whose policy stops earlier gets fewer
@@ -82,7 +83,7 @@ class ThroughputResult:
     sync_load_s: float = 0.0
     # one process: its peak CUDA allocation; Ray: the fullest GPU's peak used memory (None: CPU, no NVML)
     peak_memory_gb: float | None = None
-    # Ray on GPUs: the peak used memory of each GPU (by UUID) over the timed steps
+    # Ray on GPUs: the peak used memory of each GPU over the timed steps, keyed by the actors on it
     gpu_peak_memory_gb: dict[str, float] | None = None
     # part of sync_s: the FP8 KV-cache recalibration after the push (None: a bf16 KV cache)
     kv_calibrate_s: float | None = None
@@ -95,8 +96,14 @@ class ThroughputResult:
         return max(self.step_s - self.generate_s - self.logprob_s - self.train_s - self.sync_s, 0.0)
 
     def metrics(self, prefix: str = "bench/") -> dict[str, float]:
-        """The numbers as MLflow/KFP metrics (``bench/rollout_tokens_per_s``, ...)."""
-        return {f"{prefix}{name}": float(getattr(self, name)) for name in STEP_METRICS.values()}
+        """The numbers as MLflow/KFP metrics (``bench/rollout_tokens_per_s``, ...; peak memory where measured,
+        each Ray GPU as ``bench/peak_memory_gb/<actors on it>``)."""
+        out = {f"{prefix}{name}": float(getattr(self, name)) for name in STEP_METRICS.values()}
+        if self.peak_memory_gb is not None:
+            out[f"{prefix}peak_memory_gb"] = self.peak_memory_gb
+        for actors, gb in (self.gpu_peak_memory_gb or {}).items():  # MLflow metric names have no '+'
+            out[f"{prefix}peak_memory_gb/{actors.replace('+', '_')}"] = gb
+        return out
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -132,12 +132,12 @@ class RayParts:
         self.trainer.lead("save_policy", str(output_dir), self.model_dir)
 
     def gpu_peaks(self, reset: bool = False) -> dict[str, int]:
-        """``{GPU UUID: peak bytes in use}`` over every actor's GPU since the start or the last reset (the
-        whole GPU, as nvidia-smi counts it: colocated actors share one entry); ``{}`` on CPUs."""
+        """Peak bytes in use per GPU since the start or the last reset, keyed by the actors on it
+        (``trainer-0+rollout-0`` colocated; the whole GPU, as nvidia-smi counts it); ``{}`` on CPUs."""
         actors = self.trainer.actors + self.engine.actors
         names = [*self.trainer.names, *self.engine.names]
         reports = self.trainer.calls.get([a.gpu_peak.remote(reset) for a in actors], [f"{n}.gpu_peak" for n in names])
-        return merge_peaks(reports)
+        return merge_peaks(reports, names)
 
     def shutdown(self) -> None:
         import ray

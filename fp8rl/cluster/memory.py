@@ -76,10 +76,13 @@ def gpu_key(device_index: int) -> str:
     return str(torch.cuda.get_device_properties(device_index).uuid)
 
 
-def merge_peaks(reports: list[dict[str, int] | None]) -> dict[str, int]:
-    """Per GPU, the maximum over the actors that report it (actors sharing a GPU see the same device)."""
-    merged: dict[str, int] = {}
-    for report in reports:
+def merge_peaks(reports: list[dict[str, int] | None], names: list[str]) -> dict[str, int]:
+    """Per GPU, the maximum over the actors that report it (actors sharing a GPU see the same device), keyed
+    by the names of those actors joined with ``+`` (``trainer-0+rollout-0``); CPU actors report None."""
+    peaks: dict[str, int] = {}
+    on: dict[str, list[str]] = {}
+    for name, report in zip(names, reports, strict=True):
         for gpu, used in (report or {}).items():
-            merged[gpu] = max(merged.get(gpu, 0), used)
-    return merged
+            peaks[gpu] = max(peaks.get(gpu, 0), used)
+            on.setdefault(gpu, []).append(name)
+    return {"+".join(on[gpu]): used for gpu, used in peaks.items()}

@@ -5,7 +5,10 @@ ranks).  On a one-GPU machine the group has one rank, which still runs FSDP2's C
 the GPU, bf16 all-gather, fp32 reduce-scatter over NCCL, the fused FP8 linear caching the gathered weight
 once per step); on two GPUs the ranks hold half the fp32 masters and AdamW state each and reduce-scatter
 over NCCL.  Either way the result is compared with the replicated trainer on one GPU, run on the same
-micro-batches (the sums run in another order: losses to 1e-4 relative, weights to 1e-2)."""
+micro-batches (the sums run in another order: losses and grad norms to 1e-4 relative plus ten times what two
+replicated runs differ by on this GPU, weights to 1e-2).  On two H100s (2026-11-25) the grad norm of one step
+differed by 2.6e-4 (bf16) and 2.5e-3 (fp8) relative, beyond a fixed 1e-4, before the run-to-run floor was
+measured next to it."""
 
 from __future__ import annotations
 
@@ -46,12 +49,22 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "result.pt", weights_only=False)
-    trainer = TorchTrainer(model, TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4), device="cuda")
     batch, adv, old, mask = fixed_batch()
-    history = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
-    for a, b in zip(history, got["history"], strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+    def replicated() -> tuple[TorchTrainer, list[dict[str, float]]]:
+        t = TorchTrainer(model, TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4), device="cuda")
+        return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
+
+    # the replicated trainer twice: how far two runs of the same thing land apart on this GPU (its kernels'
+    # own nondeterminism); the sharded run may differ by 1e-4 relative plus ten times that
+    trainer, history = replicated()
+    _, again = replicated()
+    for step, (a, a2, b) in enumerate(zip(history, again, got["history"], strict=True), start=1):
+        floor = {k: abs(a[k] - a2[k]) for k in ("loss", "grad_norm")}
+        print(f"step {step} ({precision}, {world} rank(s)): loss {b['loss']:.7g} vs {a['loss']:.7g}, grad norm "
+              f"{b['grad_norm']:.7g} vs {a['grad_norm']:.7g}; replicated run to run {floor}")  # fmt: skip
+        for k in ("loss", "grad_norm"):
+            assert abs(b[k] - a[k]) <= 1e-4 * abs(a[k]) + 1e-7 + 10 * floor[k], (step, k)
     ref = {k: v.cpu().float() for k, v in trainer.hf_state_dict().items()}
     worst = max(float((got["weights"][k].float() - ref[k]).abs().max()) for k in ref)
     print(f"{world} sharded rank(s) vs replicated on {torch.cuda.get_device_name()} ({precision}): "

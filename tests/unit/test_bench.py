@@ -184,6 +184,8 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     table = (work / "bench-step" / "bench_step.md").read_text()
     assert "| fp8-e2e |" in table and f"{up['step']:.2f}x" in table
     assert "every weight sync verified bit for bit" in table
+    png = (work / "bench-step" / "bench_step.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000  # the breakdown and speedup plot
     assert "MLflow comparison run" in capsys.readouterr().out
     client = MlflowClient(tracking_uri=configure_mlflow(work))
     (exp,) = [e for e in client.search_experiments() if e.name == "fp8rl-bench"]
@@ -191,6 +193,9 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     children = {r.data.tags.get("recipe"): r for r in runs if r.data.tags.get("mlflow.parentRunId")}
     assert set(children) == {"bf16", "fp8-e2e"}
     assert children["fp8-e2e"].data.metrics["bench/speedup_step"] == pytest.approx(up["step"])
+    (parent,) = [r for r in runs if not r.data.tags.get("mlflow.parentRunId")]
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"bench_step.json", "bench_step.md", "bench_step.png"} <= logged
     # the shape's checkpoint is reused by the next run; a bad shape or both model sources are clear errors
     assert main(["bench", "step", "--shape", "huge", "--work-dir", str(work), "--no-mlflow"]) == 2
     assert main(["bench", "step", "--work-dir", str(work)]) == 2
@@ -269,3 +274,21 @@ def test_bench_checks_every_sync_only_when_asked(
                                     "work_dir": str(tmp_path), "verify_sync": True})  # fmt: skip
     benchmark_recipe(cfg, tiny_models["tiny"], "cpu", steps=2, warmup_steps=1, log=lambda _: None, verify_sync=verify)
     assert checked == ([1, 2, 3] if verify else [])  # the config's verify_sync alone does not turn it on
+
+
+def test_bench_step_ray_flags_override_the_configs_ray_section(tmp_path: Path) -> None:
+    """``fp8rl bench step`` takes the same Ray flags as ``fp8rl train`` (layout, workers, sharding, sync): the GPU
+    count and layout of a benchmark without writing a config."""
+    from fp8rl.cli import apply_ray_flags, build_parser
+
+    args = build_parser().parse_args(["bench", "step", "--shape", "tiny", "--layout", "split", "--sync", "collective",
+                                      "--trainer-workers", "2", "--trainer-sharding", "fsdp"])  # fmt: skip
+    base = {"ray": {"rollout_workers": 2, "layout": "colocated"}}
+    apply_ray_flags(base, args)
+    assert base["ray"] == {"rollout_workers": 2, "layout": "split", "sync": "collective", "trainer_workers": 2,
+                           "trainer_sharding": "fsdp"}  # fmt: skip
+    untouched: dict = {}
+    apply_ray_flags(untouched, build_parser().parse_args(["bench", "step", "--shape", "tiny"]))
+    assert untouched == {}  # no flag: the loop stays in one process
+    with pytest.raises(SystemExit):  # argparse names the flag and the choices
+        build_parser().parse_args(["bench", "step", "--sync", "rdma"])

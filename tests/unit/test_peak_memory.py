@@ -70,17 +70,22 @@ def test_sampler_that_stopped_raises_instead_of_reporting_an_idle_gpu() -> None:
 
 
 def test_actors_sharing_a_gpu_count_it_once_and_cpu_actors_not_at_all() -> None:
-    got = merge_peaks([{"GPU-a": 10}, {"GPU-a": 30, "GPU-b": 5}, None, {"GPU-b": 7}])
-    assert got == {"GPU-a": 30, "GPU-b": 7}
-    assert merge_peaks([None, None]) == {}
+    names = ["trainer-0", "trainer-1", "rollout-0", "rollout-1"]
+    got = merge_peaks([{"GPU-a": 10}, {"GPU-b": 5}, {"GPU-a": 30}, {"GPU-b": 7}], names)
+    assert got == {"trainer-0+rollout-0": 30, "trainer-1+rollout-1": 7}
+    assert merge_peaks([{"GPU-a": 3}, None], ["trainer-0", "rollout-0"]) == {"trainer-0": 3}
+    assert merge_peaks([None, None], ["trainer-0", "rollout-0"]) == {}
 
 
 def test_step_report_shows_each_gpus_peak_on_several_gpus() -> None:
     two = ThroughputResult("bf16", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_memory_gb=70.5,
-                           gpu_peak_memory_gb={"GPU-b": 40.25, "GPU-a": 70.5})  # fmt: skip
+                           gpu_peak_memory_gb={"trainer-0": 40.25, "rollout-0": 70.5})  # fmt: skip
     one = ThroughputResult("fp8-e2e", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_memory_gb=30.0,
-                           gpu_peak_memory_gb={"GPU-a": 30.0})  # fmt: skip
+                           gpu_peak_memory_gb={"trainer-0+rollout-0": 30.0})  # fmt: skip
     doc, md = report([two, one], {"model": "llama-3b"})
     rows = [line for line in md.splitlines() if line.startswith("| bf16") or line.startswith("| fp8-e2e")]
-    assert rows[0].endswith("| 70.5 / 40.2 |") and rows[1].endswith("| 30.0 |")
-    assert doc["results"][0]["gpu_peak_memory_gb"] == {"GPU-b": 40.25, "GPU-a": 70.5}
+    assert rows[0].endswith("| trainer-0 40.2, rollout-0 70.5 |") and rows[1].endswith("| 30.0 |")
+    assert doc["results"][0]["gpu_peak_memory_gb"] == {"trainer-0": 40.25, "rollout-0": 70.5}
+
+    assert two.metrics()["bench/peak_memory_gb/rollout-0"] == 70.5 and two.metrics()["bench/peak_memory_gb"] == 70.5
+    assert one.metrics()["bench/peak_memory_gb/trainer-0_rollout-0"] == 30.0  # MLflow-safe: no '+'
