@@ -24,7 +24,9 @@
 #                                                        in-process on GPU 0 and --engine-process on GPU 1 at once
 #                                                        (ARGS); fsdp = the step, 2 FSDP trainer ranks + vLLM colocated
 #                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES)
-#   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command
+#   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
+#                                                        at once: the machine goes back 30 s after a call ends, and
+#                                                        the job (and the vLLM setup in /tmp) with it
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
 # Results: $OUT/ray_vllm.log and $OUT/results.tar.gz (every .json, .md and .log the job wrote under /tmp/res).
 set -uo pipefail
