@@ -334,7 +334,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
         model = Path(args.model)
     isolate = not args.one_process and len(bench.recipes) > 1
     results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate)
-    doc, table = report(results, run_metadata(args.shape or str(model), bench, results))
+    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray")))
     out = Path(args.out or Path(work) / "bench-step")
     files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
     print(table)

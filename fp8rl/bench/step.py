@@ -206,6 +206,19 @@ def speedups(results: Sequence[ThroughputResult], baseline: str = "bf16") -> dic
     }
 
 
+def _where(meta: dict[str, Any]) -> str:
+    """``2x NVIDIA H100 ..., Ray split layout, 1 trainer + 1 rollout worker(s), sync collective`` or the device."""
+    gpus, ray = meta.get("gpus") or 0, meta.get("ray")
+    where = f"{gpus}x {meta.get('device_name')}" if gpus > 1 else str(meta.get("device_name"))
+    if ray:
+        where += (
+            f", Ray {ray.get('layout', 'split')} layout, {ray.get('trainer_workers', 1)} trainer "
+            f"({ray.get('trainer_sharding', 'replicate')}) + {ray.get('rollout_workers', 1)} rollout worker(s), "
+            f"sync {ray.get('sync', 'objectstore')}"
+        )
+    return where
+
+
 def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The JSON document and the Markdown table of a step benchmark."""
     ups = speedups(results)
@@ -214,7 +227,7 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
         "results": [{**r.to_dict(), "idle_s": r.idle_s, "speedup_vs_bf16": ups.get(r.recipe)} for r in results],
     }
     lines = [
-        f"RL step benchmark: {meta.get('model')} on {meta.get('device_name')}, {meta.get('prompts')} prompts x "
+        f"RL step benchmark: {meta.get('model')} on {_where(meta)}, {meta.get('prompts')} prompts x "
         f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens, median of {meta.get('steps')} steps "
         f"after {meta.get('warmup')} warm-up"
         + (", every weight sync verified bit for bit" if meta.get("verify_sync") else ""),
@@ -253,7 +266,11 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
     return doc, "\n".join(lines) + "\n"
 
 
-def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResult]) -> dict[str, Any]:
+def run_metadata(
+    model: str, bench: StepBench, results: Sequence[ThroughputResult], ray: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What the run was: sizes, versions, the device and how many of its GPUs were visible, the Ray section
+    (layout, workers, sharding, sync; None: one process)."""
     import transformers
 
     meta: dict[str, Any] = {
@@ -261,6 +278,7 @@ def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResul
         "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes), "verify_sync": bench.verify_sync,
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "ray": ray,
     }  # fmt: skip
     for name in ("vllm", "transformer_engine"):
         try:
@@ -310,7 +328,7 @@ def write_outputs(
         breakdown = {r["recipe"]: {p.removesuffix("_s"): r[p] for p in phases} for r in doc["results"]}
         ups = {r["recipe"]: r["speedup_vs_bf16"] or {} for r in doc["results"]}
         meta = doc["meta"]
-        title = (f"{meta.get('model')} on {meta.get('device_name')}: {meta.get('prompts')} prompts x "
+        title = (f"{meta.get('model')} on {_where(meta)}: {meta.get('prompts')} prompts x "
                  f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens")  # fmt: skip
         written.append(plot_step_breakdown(breakdown, ups, png_path, title))
     return written

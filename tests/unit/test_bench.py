@@ -170,7 +170,7 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
             "--verify-sync"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((work / "bench-step" / "bench_step.json").read_text())
-    assert doc["meta"]["verify_sync"] is True
+    assert doc["meta"]["verify_sync"] is True and doc["meta"]["gpus"] == 0 and doc["meta"]["ray"] is None
     by = {r["recipe"]: r for r in doc["results"]}
     assert list(by) == ["bf16", "fp8-e2e"] and doc["meta"]["max_tokens"] == 24
     for r in by.values():

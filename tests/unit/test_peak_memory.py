@@ -82,7 +82,10 @@ def test_step_report_shows_each_gpus_peak_on_several_gpus() -> None:
                            gpu_peak_memory_gb={"trainer-0": 40.25, "rollout-0": 70.5})  # fmt: skip
     one = ThroughputResult("fp8-e2e", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_memory_gb=30.0,
                            gpu_peak_memory_gb={"trainer-0+rollout-0": 30.0})  # fmt: skip
-    doc, md = report([two, one], {"model": "llama-3b"})
+    ray = {"layout": "split", "trainer_workers": 1, "rollout_workers": 1, "sync": "collective"}
+    doc, md = report([two, one], {"model": "llama-3b", "device_name": "GPU", "gpus": 2, "ray": ray})
+    assert md.startswith("RL step benchmark: llama-3b on 2x GPU, Ray split layout, 1 trainer (replicate) + 1 rollout "
+                         "worker(s), sync collective,")  # fmt: skip
     rows = [line for line in md.splitlines() if line.startswith("| bf16") or line.startswith("| fp8-e2e")]
     assert rows[0].endswith("| trainer-0 40.2, rollout-0 70.5 |") and rows[1].endswith("| 30.0 |")
     assert doc["results"][0]["gpu_peak_memory_gb"] == {"trainer-0": 40.25, "rollout-0": 70.5}
