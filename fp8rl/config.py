@@ -331,6 +331,9 @@ class RolloutConfig(_Strict):
     # vllm + kv_cache fp8: calibrated scale = amax * margin / 448, the amax a high quantile of |k|, |v|
     kv_scale_margin: float = Field(1.1, ge=1.0)
     kv_scale_quantile: float = Field(0.999, gt=0.0, le=1.0)
+    # vllm + kv_cache fp8: calibrate on evenly spaced rows of the step's batch holding about this many tokens
+    # (the recalibration is a forward of the policy, so its time grows with the batch); None: the whole batch
+    kv_calibration_tokens: int | None = Field(None, ge=1)
 
 
 class RunConfig(_Strict):

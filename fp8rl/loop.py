@@ -33,6 +33,7 @@ from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import grpo_advantages, mismatch_correction, mismatch_metrics
 from fp8rl.rollout.base import LocalEngine, RolloutGenerator, SamplingParams
+from fp8rl.rollout.kv_calibration import calibration_rows
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.run_state import (
     LoopState,
@@ -289,7 +290,11 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     t3 = time.perf_counter()
     stats = parts.push_weights(step)
     t_pushed = time.perf_counter()
-    kv = parts.calibrate_kv(batch)  # FP8 KV cache: scales for the new weights, from the trainer's activations
+    # FP8 KV cache: scales for the new weights, from the trainer's activations on (a budget of) this batch
+    kv_rows = calibration_rows(batch.attention_mask, cfg.rollout.kv_calibration_tokens)
+    kv = parts.calibrate_kv(batch.slice(kv_rows))
+    if kv and kv_rows.step is not None:
+        kv["kv/calibration_tokens"] = float(batch.attention_mask[kv_rows].sum())
     t4 = time.perf_counter()
     tokens = float(mask.sum())
     freed = getattr(engine, "sleep_freed_bytes", None)  # colocated vLLM on Ray: what sleeping gave to training

@@ -171,6 +171,16 @@ def calibrate_kv_scales(
     return out
 
 
+def calibration_rows(attention_mask: torch.Tensor, max_tokens: int | None) -> slice:
+    """Every k-th row of a batch ``[N, L]`` so the rows hold at most about ``max_tokens`` valid tokens (k the
+    smallest that does; ``slice(None)``, the whole batch, when it fits or ``max_tokens`` is None).  Evenly spaced
+    rows reach every prompt's group of samples before a second sample of any one."""
+    if max_tokens is None:
+        return slice(None)
+    total = int(attention_mask.sum())
+    return slice(None, None, max(1, math.ceil(total / max_tokens)))
+
+
 def kv_scale_metrics(scales: dict[int, KVScales], seconds: float | None = None) -> dict[str, float]:
     """``kv/{q,k,v}_scale_{mean,min,max}`` and ``kv/{k,v}_clip_ratio_max``: the largest amax over the
     FP8 range (``amax / (448 * scale)``; above 1 means the quantile left outliers to be clipped)."""
