@@ -126,15 +126,10 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
-    """One config per (recipe, seed): the --config file (if any), then the flags over it."""
+    """One config per (recipe, seed): the --config file (if any), the flags over it, then ``--set``."""
     from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
 
     base = load_run_config_data(args.config) if args.config else {}
-    recipes = args.recipe or [base.pop("recipe", "fp8-e2e")]
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [base.get("seed", 0)]
-    except ValueError:
-        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     flags = {
         "model": args.model,
         "steps": args.steps,
@@ -144,6 +139,12 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
     }
     base.update({k: v for k, v in flags.items() if v is not None})
     apply_ray_flags(base, args)
+    apply_overrides(base, args.set)
+    recipes = args.recipe or [base.pop("recipe", "fp8-e2e")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [base.get("seed", 0)]
+    except ValueError:
+        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     base.pop("recipe", None)
     source = args.config or "command line"
     out = []
@@ -152,6 +153,30 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
         for seed in seeds:
             out.append(parse_run_config({**base, "recipe": recipe, "seed": seed}, source))
     return out
+
+
+def apply_overrides(base: dict[str, Any], overrides: list[str] | None) -> None:
+    """``--set KEY=VALUE`` over a run config's data: ``KEY`` a dotted field path (``rollout.kv_calibration_tokens``),
+    ``VALUE`` read as YAML (``16384``, ``true``, ``null``, ``[0.9, 0.95]``).  The config's own validation then
+    names a field that does not exist or a value of the wrong type."""
+    import yaml
+
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        path = key.strip().split(".")
+        if not sep or not all(path):
+            raise UserError(f"--set {item!r}: expected KEY=VALUE with KEY a dotted field path, e.g. optim.lr=1e-6")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise UserError(f"--set {key}: the value {raw!r} is not valid YAML: {e}") from None
+        node = base
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UserError(f"--set {key}: {'.'.join(path[: i + 1])} is {child!r}, not a section")
+            node = child
+        node[path[-1]] = value
 
 
 def apply_ray_flags(base: dict[str, Any], args: argparse.Namespace) -> None:
@@ -166,6 +191,13 @@ def apply_ray_flags(base: dict[str, Any], args: argparse.Namespace) -> None:
     }
     if any(v is not None for v in ray_flags.values()):
         base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
+
+
+def add_set_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set", action="append", default=None, metavar="KEY=VALUE",
+        help="override a run-config field after --config and the flags (repeatable), e.g. --set optim.lr=1e-6",
+    )  # fmt: skip
 
 
 def add_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -253,6 +285,7 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N steps")
     add_ray_arguments(p)
+    add_set_argument(p)
     p.set_defaults(func=_cmd_train)
 
 
@@ -318,6 +351,7 @@ def _cmd_bench_step(args: argparse.Namespace) -> int:
     base = load_run_config_data(args.config) if args.config else {}
     base.pop("recipe", None)
     apply_ray_flags(base, args)
+    apply_overrides(base, args.set)
     work = args.work_dir or base.get("work_dir", "work")
     device = resolve_device(args.device)
     bench = StepBench(
@@ -451,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default="fp8rl-bench")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
     add_ray_arguments(p)
+    add_set_argument(p)
     p.add_argument(
         "--verify-sync", action="store_true",
         help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",

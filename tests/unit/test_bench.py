@@ -292,3 +292,25 @@ def test_bench_step_ray_flags_override_the_configs_ray_section(tmp_path: Path) -
     assert untouched == {}  # no flag: the loop stays in one process
     with pytest.raises(SystemExit):  # argparse names the flag and the choices
         build_parser().parse_args(["bench", "step", "--sync", "rdma"])
+
+
+def test_set_overrides_any_run_config_field_after_the_config_and_flags(tmp_path: Path) -> None:
+    """``--set KEY=VALUE`` (``fp8rl train`` and ``fp8rl bench step``): a dotted field path and a YAML value, applied
+    last; a wrong path or value is an error naming it."""
+    from fp8rl.cli import _run_configs, apply_overrides, build_parser
+    from fp8rl.errors import UserError
+
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("steps: 5\noptim:\n  lr: 1.0e-4\n")
+    args = build_parser().parse_args(["train", "--config", str(cfg_file), "--steps", "7", "--set", "optim.lr=1e-6",
+                                      "--set", "seed=3", "--set", "rollout.kv_calibration_tokens=16384",
+                                      "--set", "optim.betas=[0.9, 0.95]"])  # fmt: skip
+    (cfg,) = _run_configs(args)
+    assert cfg.steps == 7 and cfg.optim.lr == 1e-6 and cfg.seed == 3 and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.rollout.kv_calibration_tokens == 16384
+    with pytest.raises(UserError, match="rollout.no_such_field"):
+        _run_configs(build_parser().parse_args(["train", "--set", "rollout.no_such_field=1"]))
+    for bad, message in [("optim", "expected KEY=VALUE"), ("optim..lr=1", "expected KEY=VALUE"),
+                         ("steps.x=1", "steps is 5, not a section"), ("optim.lr=[1", "not valid YAML")]:  # fmt: skip
+        with pytest.raises(UserError, match=message):
+            apply_overrides({"steps": 5}, [bad])
