@@ -23,7 +23,9 @@
 #                                                        overhead = gpu_vllm_overhead.py
 #                                                        in-process on GPU 0 and --engine-process on GPU 1 at once
 #                                                        (ARGS); fsdp = the step, 2 FSDP trainer ranks + vLLM colocated
-#                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES)
+#                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES); kvbudget (not
+#                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
+#                                                        the whole batch, then on 16k tokens of it
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
 #                                                        at once: the machine goes back 30 s after a call ends, and
 #                                                        the job (and the vLLM setup in /tmp) with it
@@ -110,6 +112,10 @@ case $step in
                    wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
+          kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml docs/configs/fp8-e2e-kv.yaml \
+                   $RES/kv-all "${SPLIT_SHAPE:-llama-1b}"); $(bench docs/configs/bench-vllm-ray-split.yaml \
+                   docs/configs/fp8-e2e-kv.yaml $RES/kv-16k "${SPLIT_SHAPE:-llama-1b}") \
+                   --set rollout.kv_calibration_tokens=16384";;
           *) echo "unknown x2 part $part"; exit 2;;
         esac
       done
