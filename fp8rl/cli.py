@@ -6,9 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fp8rl.errors import UserError
+from fp8rl.run_flags import add_ray_arguments, add_set_argument, apply_overrides, apply_ray_flags
 
 if TYPE_CHECKING:
     from fp8rl.checkpoint import ConvertOptions
@@ -155,70 +156,6 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
     return out
 
 
-def apply_overrides(base: dict[str, Any], overrides: list[str] | None) -> None:
-    """``--set KEY=VALUE`` over a run config's data: ``KEY`` a dotted field path (``rollout.kv_calibration_tokens``),
-    ``VALUE`` read as YAML (``16384``, ``true``, ``null``, ``[0.9, 0.95]``).  The config's own validation then
-    names a field that does not exist or a value of the wrong type."""
-    import yaml
-
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        path = key.strip().split(".")
-        if not sep or not all(path):
-            raise UserError(f"--set {item!r}: expected KEY=VALUE with KEY a dotted field path, e.g. optim.lr=1e-6")
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as e:
-            raise UserError(f"--set {key}: the value {raw!r} is not valid YAML: {e}") from None
-        node = base
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise UserError(f"--set {key}: {'.'.join(path[: i + 1])} is {child!r}, not a section")
-            node = child
-        node[path[-1]] = value
-
-
-def apply_ray_flags(base: dict[str, Any], args: argparse.Namespace) -> None:
-    """The Ray flags given (``add_ray_arguments``) over the config's ``ray`` section; any of them turns Ray on."""
-    ray_flags = {
-        "trainer_workers": args.trainer_workers,
-        "rollout_workers": args.rollout_workers,
-        "address": args.ray_address,
-        "layout": args.layout,
-        "trainer_sharding": args.trainer_sharding,
-        "sync": args.sync,
-    }
-    if any(v is not None for v in ray_flags.values()):
-        base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
-
-
-def add_set_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--set", action="append", default=None, metavar="KEY=VALUE",
-        help="override a run-config field after --config and the flags (repeatable), e.g. --set optim.lr=1e-6",
-    )  # fmt: skip
-
-
-def add_ray_arguments(p: argparse.ArgumentParser) -> None:
-    ray = p.add_argument_group("Ray (any of these runs the loop on Ray actors; they override the config's ray)")
-    ray.add_argument("--trainer-workers", type=int, default=None, metavar="N", help="data-parallel trainer actors")
-    ray.add_argument("--rollout-workers", type=int, default=None, metavar="M", help="rollout engine actors")
-    ray.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS or local)")
-    ray.add_argument(
-        "--layout", choices=["split", "colocated"], default=None,
-        help="split: a GPU per actor; colocated: trainer rank i and rollout worker i share one",
-    )  # fmt: skip
-    ray.add_argument(
-        "--trainer-sharding", choices=["replicate", "fsdp"], default=None,
-        help="fsdp: shard the fp32 masters and AdamW state across the trainer actors (FSDP2)",
-    )  # fmt: skip
-    ray.add_argument(
-        "--sync", choices=["objectstore", "collective", "ipc"], default=None,
-        help="weight sync: Ray's object store, an NCCL/gloo broadcast, or CUDA IPC (colocated GPUs)",
-    )  # fmt: skip
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     from fp8rl.experiment import compare_recipes, tracked_run
     from fp8rl.loop import validate_inputs
@@ -334,49 +271,9 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_step(args: argparse.Namespace) -> int:
-    from fp8rl.bench.step import (
-        StepBench,
-        log_to_mlflow,
-        make_shape_model,
-        report,
-        run_metadata,
-        run_step_bench,
-        write_outputs,
-    )  # fmt: skip
-    from fp8rl.bench.throughput import resolve_device
-    from fp8rl.config import load_run_config_data
+    from fp8rl.bench.step_cli import main_with_args
 
-    if (args.model is None) == (args.shape is None):
-        raise UserError("bench step: give exactly one of --model DIR or --shape NAME")
-    base = load_run_config_data(args.config) if args.config else {}
-    base.pop("recipe", None)
-    apply_ray_flags(base, args)
-    apply_overrides(base, args.set)
-    work = args.work_dir or base.get("work_dir", "work")
-    device = resolve_device(args.device)
-    bench = StepBench(
-        recipes=[r for r in args.recipes.split(",") if r], prompts=args.prompts, samples=args.samples,
-        max_tokens=args.max_tokens, steps=args.steps, warmup=args.warmup, device=device,
-        micro_batch_tokens=args.micro_batch_tokens, verify_sync=args.verify_sync,
-    )  # fmt: skip
-    if not bench.recipes:
-        raise UserError("--recipes: name at least one recipe")
-    if args.shape:
-        print(f"bench step: random {args.shape} weights -> {Path(work) / 'bench-models' / args.shape}", flush=True)
-        model = make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)
-    else:
-        model = Path(args.model)
-    isolate = not args.one_process and len(bench.recipes) > 1
-    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate)
-    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray")))
-    out = Path(args.out or Path(work) / "bench-step")
-    files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
-    print(table)
-    print("wrote " + ", ".join(str(f) for f in files))
-    if not args.no_mlflow:
-        run_id = log_to_mlflow(results, doc, files, work, args.experiment)
-        print(f"MLflow comparison run {run_id} (experiment {args.experiment})")
-    return 0
+    return main_with_args(args)
 
 
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
@@ -464,36 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernel_bench_arguments(p)
     p.set_defaults(func=_cmd_bench_kernels)
     p = bench.add_parser("step", help="the end-to-end RL step per recipe: time breakdown, tokens/s, speedup vs bf16")
-    p.add_argument("--model", default=None, help="a checkpoint directory (or use --shape)")
-    p.add_argument(
-        "--shape", default=None, help="random weights of a shape: tiny | small | llama-1b | llama-3b | llama-8b"
-    )
-    p.add_argument("--recipes", default="bf16,fp8-rollout,fp8-e2e", help="comma-separated recipe names or files")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="responses per prompt")
-    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per response (EOS ignored)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per recipe")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per recipe before them")
-    p.add_argument(
-        "--micro-batch-tokens", type=int, default=None,
-        help="trainer micro-batch size in padded tokens (default: the config's optim.micro_batch_tokens, else 16384)",
-    )  # fmt: skip
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
-    p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=None, help="directory for bench_step.json, .md and .png (default WORK/bench-step)")
-    p.add_argument("--experiment", default="fp8rl-bench")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
-    add_ray_arguments(p)
-    add_set_argument(p)
-    p.add_argument(
-        "--verify-sync", action="store_true",
-        help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",
-    )  # fmt: skip
-    p.add_argument(
-        "--one-process", action="store_true",
-        help="run every recipe in this process (default: one process per recipe; vLLM starts once per process)",
-    )  # fmt: skip
+    from fp8rl.bench.step_cli import add_arguments as add_step_bench_arguments
+
+    add_step_bench_arguments(p)
     p.set_defaults(func=_cmd_bench_step)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")

@@ -14,8 +14,8 @@ the bytes roofline: weights + the mean KV cache read per decode step at the copy
 
 ``--engine-process`` runs vLLM's engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, ``vllm.LLM``
 built with the engine's keyword arguments, no in-place reload), so the frontend's per-step output processing overlaps
-the GPU: the lever the ~7-8 ms host floor of fp8rl's in-process engine points to (docs/benchmarks.md).  No profile
-there (the kernels run in the other process).
+the GPU.  On two H100s it measured the same ~8 ms host floor as fp8rl's in-process engine (docs/benchmarks.md, "Two
+GPUs").  No profile there (the kernels run in the other process).  ``--modes`` picks some of the modes.
 
 Writes $OUT/gpu_vllm_overhead.json.
 """

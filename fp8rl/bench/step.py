@@ -7,12 +7,12 @@ steps of the real loop (``fp8rl.bench.throughput.benchmark_recipe``: rollout, th
 logprobs, the optimizer step, the requantized weight sync), with every response generated to
 ``max_tokens`` (EOS ignored: the same work for every recipe), and reports per recipe the median
 step time and its breakdown (generate, logprob, train, sync, idle), rollout and train tokens/s,
-padding waste, peak GPU memory of the process, and each recipe's speedup over ``bf16`` measured
-in the same run.  The result is written as JSON and Markdown and, unless turned off, logged to
-MLflow as a comparison (a parent run with one child run per recipe, the table as an artifact).
+padding waste, peak GPU memory (the process's; on Ray each GPU's), and each recipe's speedup over ``bf16``
+measured in the same run.  The result is written as JSON, Markdown and a plot and, unless turned off, logged
+to MLflow as a comparison (a parent run with one child run per recipe, the files as artifacts).
 
-Everything a run config can say applies (``--config``): the rollout engine (torch or vLLM), the
-trainer (torch or TE), Ray workers, layout and trainer sharding.
+Everything a run config can say applies (``--config``, the Ray flags, ``--set``): the rollout engine (torch
+or vLLM), the trainer (torch or TE), Ray workers, layout, trainer sharding and sync.
 """
 
 from __future__ import annotations
@@ -144,8 +144,11 @@ def run_step_bench(
         if isolate:
             results.append(_in_subprocess(cfg, model_dir, bench, log))
             continue
-        verify = bench.verify_sync
-        results.append(benchmark_recipe(cfg, model_dir, bench.device, bench.steps, bench.warmup, log, verify))
+        results.append(
+            benchmark_recipe(
+                cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log, verify_sync=bench.verify_sync
+            )
+        )
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
@@ -206,17 +209,20 @@ def speedups(results: Sequence[ThroughputResult], baseline: str = "bf16") -> dic
     }
 
 
-def _where(meta: dict[str, Any]) -> str:
-    """``2x NVIDIA H100 ..., Ray split layout, 1 trainer + 1 rollout worker(s), sync collective`` or the device."""
+def _headline(meta: dict[str, Any]) -> str:
+    """``llama-1b on 2x NVIDIA H100 ..., Ray split layout, 1 trainer (replicate) + 1 rollout worker(s), sync
+    collective, 16 prompts x 8 samples x 1024 tokens``: the table's and the plot's title."""
     gpus, ray = meta.get("gpus") or 0, meta.get("ray")
     where = f"{gpus}x {meta.get('device_name')}" if gpus > 1 else str(meta.get("device_name"))
-    if ray:
+    if ray:  # a full RayConfig dump (run_metadata)
         where += (
-            f", Ray {ray.get('layout', 'split')} layout, {ray.get('trainer_workers', 1)} trainer "
-            f"({ray.get('trainer_sharding', 'replicate')}) + {ray.get('rollout_workers', 1)} rollout worker(s), "
-            f"sync {ray.get('sync', 'objectstore')}"
+            f", Ray {ray['layout']} layout, {ray['trainer_workers']} trainer ({ray['trainer_sharding']}) + "
+            f"{ray['rollout_workers']} rollout worker(s), sync {ray['sync']}"
         )
-    return where
+    return (
+        f"{meta.get('model')} on {where}, {meta.get('prompts')} prompts x {meta.get('samples')} samples x "
+        f"{meta.get('max_tokens')} tokens"
+    )
 
 
 def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -227,9 +233,7 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
         "results": [{**r.to_dict(), "idle_s": r.idle_s, "speedup_vs_bf16": ups.get(r.recipe)} for r in results],
     }
     lines = [
-        f"RL step benchmark: {meta.get('model')} on {_where(meta)}, {meta.get('prompts')} prompts x "
-        f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens, median of {meta.get('steps')} steps "
-        f"after {meta.get('warmup')} warm-up"
+        f"RL step benchmark: {_headline(meta)}, median of {meta.get('steps')} steps after {meta.get('warmup')} warm-up"
         + (", every weight sync verified bit for bit" if meta.get("verify_sync") else ""),
         "",
         "| recipe | step s | vs bf16 | generate s | logprob s | train s | sync s | idle s | rollout tok/s | "
@@ -269,16 +273,19 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
 def run_metadata(
     model: str, bench: StepBench, results: Sequence[ThroughputResult], ray: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """What the run was: sizes, versions, the device and how many of its GPUs were visible, the Ray section
-    (layout, workers, sharding, sync; None: one process)."""
+    """What the run was: sizes, versions, the device and how many of its GPUs were visible, the Ray section with
+    its defaults filled in (layout, workers, sharding, sync; None: one process)."""
     import transformers
+
+    from fp8rl.config import RayConfig
 
     meta: dict[str, Any] = {
         "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
         "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes), "verify_sync": bench.verify_sync,
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0, "ray": ray,
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "ray": RayConfig.model_validate(ray).model_dump(mode="json") if ray is not None else None,
     }  # fmt: skip
     for name in ("vllm", "transformer_engine"):
         try:
@@ -327,10 +334,7 @@ def write_outputs(
         phases = ("generate_s", "logprob_s", "train_s", "sync_s", "idle_s")
         breakdown = {r["recipe"]: {p.removesuffix("_s"): r[p] for p in phases} for r in doc["results"]}
         ups = {r["recipe"]: r["speedup_vs_bf16"] or {} for r in doc["results"]}
-        meta = doc["meta"]
-        title = (f"{meta.get('model')} on {_where(meta)}: {meta.get('prompts')} prompts x "
-                 f"{meta.get('samples')} samples x {meta.get('max_tokens')} tokens")  # fmt: skip
-        written.append(plot_step_breakdown(breakdown, ups, png_path, title))
+        written.append(plot_step_breakdown(breakdown, ups, png_path, _headline(doc["meta"])))
     return written
 
 

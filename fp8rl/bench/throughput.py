@@ -145,54 +145,23 @@ def benchmark_recipe(
     device = resolve_device(device)
     cfg = cfg.model_copy(update={"verify_sync": verify_sync})
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    parts: Any
-    started_ray = False
-    if cfg.ray is not None:
-        from fp8rl.cluster.driver import create_ray_parts, ensure_ray
-
-        started_ray = ensure_ray(cfg.ray, cfg.ray.trainer_workers + cfg.ray.rollout_workers)
-        try:
-            parts = create_ray_parts(cfg, model_dir, log=log)
-        except BaseException:
-            _stop_ray(started_ray)
-            raise
-    else:
-        parts = build_parts(cfg, model_dir, device)
-    train_pool, _ = task_examples(cfg)
-    timed: list[dict[str, float]] = []
+    parts, started_ray = _start(cfg, model_dir, device, log)
+    gpu_peaks = getattr(parts, "gpu_peaks", None)  # Ray: each GPU's used memory, sampled by the actors
     try:
-        for step in range(1, warmup_steps + steps + 1):
-            if step == warmup_steps + 1 and hasattr(parts, "gpu_peaks"):
-                parts.gpu_peaks(reset=True)  # the Ray actors' GPUs: peaks of the timed steps only
-            metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
-            if cuda:
-                torch.cuda.synchronize()
-            phase = "warm-up" if step <= warmup_steps else "timed"
-            log(
-                f"[{cfg.recipe.name}] bench step {step}/{warmup_steps + steps} ({phase}): "
-                f"step {metrics['time/step_s']:.2f}s (generate {metrics['time/generate_s']:.2f}, "
-                f"logprob {metrics['time/logprob_s']:.2f}, train {metrics['time/train_s']:.2f}, "
-                f"sync {metrics['time/sync_s']:.3f}), rollout {metrics['throughput/rollout_tokens_per_s']:.0f} tok/s, "
-                f"train {metrics['throughput/train_tokens_per_s']:.0f} tok/s"
-            )
-            if step > warmup_steps:
-                timed.append(metrics)
-        gpu_peaks = parts.gpu_peaks() if hasattr(parts, "gpu_peaks") else {}
+        timed = _run_steps(cfg, parts, steps, warmup_steps, cuda, log, gpu_peaks)
+        per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks().items()} if gpu_peaks else {}
     finally:
         try:
             _close(parts)
         finally:
             _stop_ray(started_ray)
     medians = {field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()}
-    optional = {}
     for key, field in OPTIONAL_STEP_METRICS.items():
-        if timed and all(key in m for m in timed):
-            optional[field] = statistics.median(m[key] for m in timed)
-    per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks.items()} or None
+        if all(key in m for m in timed):
+            medians[field] = statistics.median(m[key] for m in timed)
     if cfg.ray is None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     else:
@@ -204,10 +173,55 @@ def benchmark_recipe(
         steps=steps,
         warmup_steps=warmup_steps,
         peak_memory_gb=peak,
-        gpu_peak_memory_gb=per_gpu,
+        gpu_peak_memory_gb=per_gpu or None,
         **medians,
-        **optional,
     )
+
+
+def _start(cfg: RunConfig, model_dir: str | Path, device: str, log: Callable[[str], None]) -> tuple[Any, bool]:
+    """The run's parts (Ray actors when ``cfg.ray``; a local Ray started if none runs) and whether Ray was started."""
+    if cfg.ray is None:
+        return build_parts(cfg, model_dir, device), False
+    from fp8rl.cluster.driver import create_ray_parts, ensure_ray
+
+    started_ray = ensure_ray(cfg.ray, cfg.ray.trainer_workers + cfg.ray.rollout_workers)
+    try:
+        return create_ray_parts(cfg, model_dir, log=log), started_ray
+    except BaseException:
+        _stop_ray(started_ray)
+        raise
+
+
+def _run_steps(
+    cfg: RunConfig,
+    parts: Any,
+    steps: int,
+    warmup_steps: int,
+    cuda: bool,
+    log: Callable[[str], None],
+    gpu_peaks: Callable[..., dict[str, int]] | None,
+) -> list[dict[str, float]]:
+    """The warm-up and timed RL steps, each logged; the timed steps' metrics (the GPU peaks reset before them)."""
+    rng = random.Random(cfg.seed)
+    train_pool, _ = task_examples(cfg)
+    timed: list[dict[str, float]] = []
+    for step in range(1, warmup_steps + steps + 1):
+        if step == warmup_steps + 1 and gpu_peaks is not None:
+            gpu_peaks(reset=True)
+        metrics = rl_step(cfg, parts, rng.sample(train_pool, cfg.grpo.prompts_per_step), step)
+        if cuda:
+            torch.cuda.synchronize()
+        phase = "warm-up" if step <= warmup_steps else "timed"
+        log(
+            f"[{cfg.recipe.name}] bench step {step}/{warmup_steps + steps} ({phase}): "
+            f"step {metrics['time/step_s']:.2f}s (generate {metrics['time/generate_s']:.2f}, "
+            f"logprob {metrics['time/logprob_s']:.2f}, train {metrics['time/train_s']:.2f}, "
+            f"sync {metrics['time/sync_s']:.3f}), rollout {metrics['throughput/rollout_tokens_per_s']:.0f} tok/s, "
+            f"train {metrics['throughput/train_tokens_per_s']:.0f} tok/s"
+        )
+        if step > warmup_steps:
+            timed.append(metrics)
+    return timed
 
 
 def _stop_ray(started: bool) -> None:

@@ -269,7 +269,7 @@ class VLLMRolloutEngine:
     ) -> list[Any]:
         """vLLM ``SamplingParams`` for ``n`` requests: one seeded stream each (equal prompts sample differently),
         the sampled token's logprob only, as flat lists by default (no dict and ``Logprob`` object per token;
-        not measurably faster than the dicts on an H100, docs/benchmarks.md, but never slower in principle)."""
+        not measurably faster than the dicts on an H100, docs/benchmarks.md)."""
         ignore_eos = ignore_eos or sampling.ignore_eos
         return [
             self._vllm.SamplingParams(

@@ -1,4 +1,8 @@
-"""Metric-over-steps plots comparing recipes (reward, accuracy, token_mult_prob_error)."""
+"""Plots comparing recipes: metrics over steps (reward, accuracy, token_mult_prob_error) and the RL step
+benchmark's time breakdown and speedups.
+
+Each draws on a matplotlib ``Figure`` of its own with the Agg canvas (no pyplot global state) and writes
+through a temporary file and a rename, so a reader never sees half a PNG."""
 
 from __future__ import annotations
 
@@ -6,8 +10,28 @@ import io
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fp8rl.atomic import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _figure(width: float, height: float) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _write_png(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+    return Path(path)
 
 
 def plot_metric_history(
@@ -16,16 +40,10 @@ def plot_metric_history(
     """Draw ``metric`` against step, one line per run (keyed by recipe), into the PNG ``path``.
 
     ``histories`` maps a label to ``[(step, value), ...]`` (any order; NaN breaks the line).
-    Uses matplotlib's Agg canvas on a ``Figure`` of its own (no pyplot global state), and
-    writes through a temporary file and a rename, so a reader never sees half a PNG.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     if not histories:
         raise ValueError(f"no runs to plot for {metric!r}")
-    fig = Figure(figsize=(7, 4), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _figure(7, 4)
     ax = fig.add_subplot()
     for label, points in histories.items():
         steps, values = zip(*sorted(points), strict=True) if points else ((), ())
@@ -35,11 +53,7 @@ def plot_metric_history(
     ax.set_title(metric)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    path = Path(path)
-    atomic_write_bytes(path, buf.getvalue())
-    return path
+    return _write_png(fig, path)
 
 
 def plot_step_breakdown(
@@ -50,15 +64,11 @@ def plot_step_breakdown(
 ) -> Path:
     """The RL step benchmark as one PNG: per recipe, a stacked bar of its step's seconds by phase
     (``breakdown[recipe][phase]``, in the order given) and, beside it, grouped bars of its speedups over bf16
-    (``speedups[recipe][what]``, a dashed line at 1.0; left empty without a bf16 baseline).  Written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    (``speedups[recipe][what]``, a dashed line at 1.0; left empty without a bf16 baseline)."""
     if not breakdown:
         raise ValueError("no recipes to plot")
     recipes = list(breakdown)
-    fig = Figure(figsize=(11, 4.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _figure(11, 4.2)
     ax, ax_up = fig.subplots(1, 2, width_ratios=(3, 2))
     bottoms = [0.0] * len(recipes)
     for phase in next(iter(breakdown.values())):
@@ -85,8 +95,4 @@ def plot_step_breakdown(
     ax_up.grid(True, axis="y", alpha=0.3)
     if title:
         fig.suptitle(title, fontsize="medium")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    path = Path(path)
-    atomic_write_bytes(path, buf.getvalue())
-    return path
+    return _write_png(fig, path)

@@ -11,6 +11,7 @@ import pytest
 from fp8rl.bench.step import report
 from fp8rl.bench.throughput import ThroughputResult
 from fp8rl.cluster.memory import PeakMemorySampler, merge_peaks
+from fp8rl.config import RayConfig
 
 
 class Reader:
@@ -82,7 +83,7 @@ def test_step_report_shows_each_gpus_peak_on_several_gpus() -> None:
                            gpu_peak_memory_gb={"trainer-0": 40.25, "rollout-0": 70.5})  # fmt: skip
     one = ThroughputResult("fp8-e2e", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_memory_gb=30.0,
                            gpu_peak_memory_gb={"trainer-0+rollout-0": 30.0})  # fmt: skip
-    ray = {"layout": "split", "trainer_workers": 1, "rollout_workers": 1, "sync": "collective"}
+    ray = RayConfig(layout="split", sync="collective").model_dump(mode="json")  # as run_metadata writes it
     doc, md = report([two, one], {"model": "llama-3b", "device_name": "GPU", "gpus": 2, "ray": ray})
     assert md.startswith("RL step benchmark: llama-3b on 2x GPU, Ray split layout, 1 trainer (replicate) + 1 rollout "
                          "worker(s), sync collective,")  # fmt: skip

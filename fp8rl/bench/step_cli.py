@@ -1,0 +1,93 @@
+"""``fp8rl bench step`` on the command line: its arguments and its entry (``fp8rl.bench.step`` does the work).
+
+Light on purpose: the ``fp8rl`` command builds its parser from this module, so torch and the RL loop are
+imported only when the benchmark runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fp8rl.errors import UserError
+from fp8rl.run_flags import add_ray_arguments, add_set_argument, apply_overrides, apply_ray_flags
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``fp8rl bench step``'s arguments (``fp8rl.cli`` adds the sub-command)."""
+    p.add_argument("--model", default=None, help="a checkpoint directory (or use --shape)")
+    p.add_argument(
+        "--shape", default=None, help="random weights of a shape: tiny | small | llama-1b | llama-3b | llama-8b"
+    )
+    p.add_argument("--recipes", default="bf16,fp8-rollout,fp8-e2e", help="comma-separated recipe names or files")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per response (EOS ignored)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per recipe")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per recipe before them")
+    p.add_argument(
+        "--micro-batch-tokens", type=int, default=None,
+        help="trainer micro-batch size in padded tokens (default: the config's optim.micro_batch_tokens, else 16384)",
+    )  # fmt: skip
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--out", default=None, help="directory for bench_step.json, .md and .png (default WORK/bench-step)")
+    p.add_argument("--experiment", default="fp8rl-bench")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    add_ray_arguments(p)
+    add_set_argument(p)
+    p.add_argument(
+        "--verify-sync", action="store_true",
+        help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",
+    )  # fmt: skip
+    p.add_argument(
+        "--one-process", action="store_true",
+        help="run every recipe in this process (default: one process per recipe; vLLM starts once per process)",
+    )  # fmt: skip
+
+
+def main_with_args(args: argparse.Namespace) -> int:
+    """``fp8rl bench step``: every recipe's timed steps, the table, JSON, Markdown, plot and MLflow comparison."""
+    from fp8rl.bench.step import (
+        StepBench,
+        log_to_mlflow,
+        make_shape_model,
+        report,
+        run_metadata,
+        run_step_bench,
+        write_outputs,
+    )  # fmt: skip
+    from fp8rl.bench.throughput import resolve_device
+    from fp8rl.config import load_run_config_data
+
+    if (args.model is None) == (args.shape is None):
+        raise UserError("bench step: give exactly one of --model DIR or --shape NAME")
+    base = load_run_config_data(args.config) if args.config else {}
+    base.pop("recipe", None)
+    apply_ray_flags(base, args)
+    apply_overrides(base, args.set)
+    work = args.work_dir or base.get("work_dir", "work")
+    device = resolve_device(args.device)
+    bench = StepBench(
+        recipes=[r for r in args.recipes.split(",") if r], prompts=args.prompts, samples=args.samples,
+        max_tokens=args.max_tokens, steps=args.steps, warmup=args.warmup, device=device,
+        micro_batch_tokens=args.micro_batch_tokens, verify_sync=args.verify_sync,
+    )  # fmt: skip
+    if not bench.recipes:
+        raise UserError("--recipes: name at least one recipe")
+    if args.shape:
+        print(f"bench step: random {args.shape} weights -> {Path(work) / 'bench-models' / args.shape}", flush=True)
+        model = make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)
+    else:
+        model = Path(args.model)
+    isolate = not args.one_process and len(bench.recipes) > 1
+    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate)
+    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray")))
+    out = Path(args.out or Path(work) / "bench-step")
+    files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
+    print(table)
+    print("wrote " + ", ".join(str(f) for f in files))
+    if not args.no_mlflow:
+        run_id = log_to_mlflow(results, doc, files, work, args.experiment)
+        print(f"MLflow comparison run {run_id} (experiment {args.experiment})")
+    return 0
