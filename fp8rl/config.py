@@ -162,6 +162,9 @@ class OptimConfig(_Strict):
     micro_batch_tokens: int | None = Field(None, ge=1)
     # recompute each decoder layer's activations in the backward instead of keeping them (long responses)
     activation_checkpointing: bool = False
+    # AdamW's two moments (8 bytes a parameter, over the ranks when sharded) in host memory between steps, copied
+    # back for each step (fp8rl.train.optim.StateOffload): room for the colocated rollout engine, at two copies a step
+    offload_optimizer_state: bool = False
     # the decoder's RMSNorms and SiLU gate as torch.compile kernels, in every precision
     # (fp8rl.train.compiled: Llama / Qwen2 / Qwen3 / Mistral modules; same math, fused)
     compile_elementwise: bool = False
@@ -291,7 +294,8 @@ class RayConfig(_Strict):
     object_store_mb: int = Field(512, ge=64)
     # weight sync trainer rank 0 -> rollout workers: through the Ray object store, a bucketed broadcast
     # over a process group of its own (NCCL on GPUs, gloo on CPUs; fp8rl.sync.nccl), or CUDA IPC
-    # (colocated on GPUs: rollout worker i maps trainer rank i's packed payload on their GPU; fp8rl.sync.ipc)
+    # (colocated on GPUs: rollout worker i maps trainer rank i's packed payload on their GPU; fp8rl.sync.ipc;
+    # sharded, every rank gathers and ranks 0 .. rollout_workers-1 keep the full weights for their engine)
     sync: Literal["objectstore", "collective", "ipc"] = "objectstore"
     sync_bucket_mb: int = Field(256, ge=1)
 
@@ -303,11 +307,6 @@ class RayConfig(_Strict):
             raise ValueError(
                 "ray.sync 'ipc' maps the trainer's GPU memory into the rollout worker on the same GPU: "
                 "it needs ray.layout 'colocated' (split layouts use 'collective' or 'objectstore')"
-            )
-        if self.trainer_sharding == "fsdp" and self.rollout_workers != 1:
-            raise ValueError(
-                "ray.sync 'ipc' with ray.trainer_sharding 'fsdp' serves one rollout worker (trainer rank 0 holds "
-                f"the gathered weights); got ray.rollout_workers {self.rollout_workers}"
             )
         if self.rollout_workers > self.trainer_workers:
             raise ValueError(

@@ -163,6 +163,7 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         micro_batch_tokens=o.micro_batch_tokens,
         sharding=cfg.ray.trainer_sharding if cfg.ray is not None else "replicate",
         activation_checkpointing=o.activation_checkpointing,
+        offload_optimizer_state=o.offload_optimizer_state,
         compile_elementwise=o.compile_elementwise,
         cuda_graphs=o.cuda_graphs,
         cuda_graph_width=o.cuda_graph_width,

@@ -23,7 +23,10 @@
 #                                                        overhead = gpu_vllm_overhead.py
 #                                                        in-process on GPU 0 and --engine-process on GPU 1 at once
 #                                                        (ARGS); fsdp = the step, 2 FSDP trainer ranks + vLLM colocated
-#                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES); kvbudget (not
+#                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES); fsdp8b (not in
+#                                                        the default) = the same at llama-8b, 32 prompts, AdamW's
+#                                                        moments offloaded, a vLLM worker per GPU
+#                                                        (docs/configs/bench-vllm-ray-fsdp-8b.yaml); kvbudget (not
 #                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
 #                                                        the whole batch, then on 16k tokens of it
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
@@ -83,8 +86,8 @@ case $step in
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
     mkdir -p $RES
-    bench() {  # bench <config> <recipes> <out dir> [shape]
-      echo "python3 -m fp8rl bench step --shape ${4:-${SHAPE:-llama-1b}} --config $1 --recipes $2 --prompts ${PROMPTS:-16} \
+    bench() {  # bench <config> <recipes> <out dir> [shape] [prompts]
+      echo "python3 -m fp8rl bench step --shape ${4:-${SHAPE:-llama-1b}} --config $1 --recipes $2 --prompts ${5:-${PROMPTS:-16}} \
         --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow \
         --out $3 --work-dir /tmp/work"
     }
@@ -99,8 +102,9 @@ case $step in
       job="nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; true"
       for part in ${X2:-tests split overhead fsdp}; do
         case $part in
-          tests) job="$job; python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sharded_trainer_cuda.py \
-                   tests/gpu/test_ray_vllm.py ${PYTEST:-} > $RES/pytest_x2.log 2>&1; tail -n 5 $RES/pytest_x2.log";;
+          tests) job="$job; python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_sharded_trainer_cuda.py \
+                   tests/gpu/test_optimizer_offload_cuda.py ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} ${PYTEST:-} \
+                   > $RES/pytest_x2.log 2>&1; grep -h '^step \|sharded\|moments\|passed\|failed' $RES/pytest_x2.log | cut -c1-240";;
           split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
                    "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
           overhead) A="${ARGS:---variants bf16,fp8-kv --modes fp8rl,neither --long-tokens 0 --profile-tokens 0}"
@@ -112,6 +116,8 @@ case $step in
                    wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
+          fsdp8b) job="$job; echo PART fsdp8b; $(bench docs/configs/bench-vllm-ray-fsdp-8b.yaml \
+                   "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}")";;
           kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml docs/configs/fp8-e2e-kv.yaml \
                    $RES/kv-all "${SPLIT_SHAPE:-llama-1b}"); $(bench docs/configs/bench-vllm-ray-split.yaml \
                    docs/configs/fp8-e2e-kv.yaml $RES/kv-16k "${SPLIT_SHAPE:-llama-1b}") \

@@ -109,7 +109,7 @@ class RayParts:
     def _push_ipc(self, version: int) -> SyncStats:
         """Trainer rank i packs its requantized payload into a device buffer; rollout worker i, on the same GPU,
         maps it through CUDA IPC and loads from it; then the buffers are freed (sharded: every rank joins the
-        gather, rank 0 shares)."""
+        gather, the first ``len(engine.actors)`` ranks share)."""
         engine, trainer = self.engine, self.trainer
         senders = trainer.actors if trainer.sharded else trainer.actors[: len(engine.actors)]
         names = trainer.names[: len(senders)]

@@ -193,12 +193,17 @@ class TrainerWorker(_PeakMemory):
     def share_rollout_payload(self, fp8_names: list[str]) -> tuple[SharedPayload, float] | None:
         """CUDA IPC sync: the requantized payload packed into one device buffer this rank keeps until
         ``release_shared``; (its handle, seconds to requantize and pack).  Replicated, every rank answers
-        with its own (identical) weights, for the rollout worker on its GPU; sharded, rank 0 after the gather."""
+        with its own (identical) weights, for the rollout worker on its GPU; sharded, every rank joins the
+        gather and the ranks with a rollout worker on their GPU (0 .. rollout_workers-1) answer."""
         self.release_shared()
         t0 = time.perf_counter()
-        weights = self._full_weights() if self.sharded else self.trainer.hf_state_dict()
-        if weights is None:
-            return None
+        if self.sharded:  # every rank joins the gathers; rank i keeps them when rollout worker i is on its GPU
+            serves = self.rank < (self.cfg.ray.rollout_workers if self.cfg.ray is not None else 1)
+            weights = self.trainer.hf_state_dict(keep=serves)
+            if not serves:
+                return None
+        else:
+            weights = self.trainer.hf_state_dict()
         payload = self._requantized(weights, fp8_names)
         shared, buffer = share_payload(payload)
         del payload, weights

@@ -12,6 +12,13 @@ the sharded fp32 gradients.  Same numerics, 12 bytes per parameter divided by th
 Both give and take their state as full (unsharded) tensors on the CPU in one layout, so a run
 checkpointed with one resumes with the other.
 
+Either can keep AdamW's two moments in host memory between steps (``offload_state``, the run config's
+``optim.offload_optimizer_state``): after each step they are copied to (pinned) host buffers and their device
+storage is released, and the next step copies them back first.  That takes 8 bytes a parameter (divided by the
+ranks when sharded) off the GPU while the rollout engine or the next forwards use it, at the cost of the two
+copies; the update is the same bytes.  Colocated with vLLM, it is what lets an 8B policy's FSDP2 shards and the
+engine share one 80 GB GPU.
+
 On CUDA both use torch's fused AdamW (one kernel reads and writes each tensor once; the default
 ``foreach`` implementation makes several passes over the fp32 state, 27 ms a step for 0.87B
 parameters on an H100): the same update up to floating-point rounding.  On CPU the default
@@ -21,7 +28,8 @@ implementation runs, so the CPU tests' numbers do not depend on which one a buil
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,19 +44,26 @@ class MasterWeightAdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         eps: float = 1e-8,
+        offload_state: bool = False,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.master = [nn.Parameter(p.detach().to(torch.float32).clone()) for p in self.params]
         for m in self.master:
             m.grad = torch.zeros_like(m)
         self.optimizer = _adamw(self.master, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        self.offload = StateOffload(self.optimizer) if offload_state else None
         # Data parallelism: sums the accumulated fp32 gradients across ranks before clipping
         # (set by the worker that owns the process group; None in one process).
         self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None
 
     def full_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """(fp32 masters, AdamW state dict) as full tensors."""
-        return [m.detach().clone() for m in self.master], self.optimizer.state_dict()
+        """(fp32 masters, AdamW state dict) as full tensors (the state copied when it goes back to the host)."""
+        masters = [m.detach().clone() for m in self.master]
+        if self.offload is None:
+            return masters, self.optimizer.state_dict()
+        with _on_device(self.offload):
+            state = self.optimizer.state_dict()
+            return masters, {**state, "state": {i: _cloned(s) for i, s in state["state"].items()}}
 
     @torch.no_grad()
     def load_full_state(self, masters: list[torch.Tensor], optim_state: dict[str, Any]) -> None:
@@ -57,6 +72,8 @@ class MasterWeightAdamW:
             m.copy_(saved)
             p.copy_(saved)
         _load_optimizer_state(self.optimizer, optim_state)
+        if self.offload is not None:
+            self.offload.replaced()
 
     @torch.no_grad()
     def accumulate(self, scale: float = 1.0) -> None:
@@ -74,12 +91,86 @@ class MasterWeightAdamW:
             self.grad_reducer([m.grad for m in self.master if m.grad is not None])
         norm = float(nn.utils.clip_grad_norm_(self.master, grad_clip))
         if math.isfinite(norm):
-            self.optimizer.step()
+            with _on_device(self.offload):
+                self.optimizer.step()
             torch._foreach_copy_(list[torch.Tensor](self.params), list[torch.Tensor](self.master))
         for m in self.master:
             assert m.grad is not None
             m.grad.zero_()
         return norm
+
+
+class StateOffload:
+    """AdamW's per-parameter state tensors (the two moments; not the step counts) held in host memory between
+    steps.  ``to_host`` copies each into a host buffer (pinned for CUDA tensors, allocated once and reused) and
+    releases the tensor's device storage in place (its storage resized to 0: the optimizer, and a DTensor around
+    it, keep the same tensor objects); ``to_device`` gives the storage back and copies the bytes in.  Nothing may
+    read the state while it is on the host (its storage is empty): the optimizers bring it back around their step,
+    ``full_state`` and ``load_full_state``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.on_host = False
+        self._host: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _states(self) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+        from torch.distributed.tensor import DTensor
+
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        local = value.to_local() if isinstance(value, DTensor) else value
+                        yield (id(p), key), local
+
+    @torch.no_grad()
+    def to_host(self) -> None:
+        if self.on_host:
+            return
+        moved = []
+        for key, t in self._states():
+            host = self._host.get(key)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                self._host[key] = host
+            host.copy_(t, non_blocking=t.is_cuda)
+            moved.append(t)
+        if any(t.is_cuda for t in moved):
+            torch.cuda.synchronize()  # every copy has landed before the device storage goes
+        for t in moved:
+            t.untyped_storage().resize_(0)
+        self.on_host = True
+
+    def replaced(self) -> None:
+        """The optimizer's state was loaded anew (on its device): send it to the host."""
+        self.on_host = False
+        self.to_host()
+
+    @torch.no_grad()
+    def to_device(self) -> None:
+        if not self.on_host:
+            return
+        for key, t in self._states():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.copy_(self._host[key], non_blocking=t.is_cuda)  # ordered before the step on this stream
+        self.on_host = False
+
+
+@contextmanager
+def _on_device(offload: StateOffload | None) -> Iterator[None]:
+    """The optimizer state on its device inside the block, back on the host after (when offloading)."""
+    if offload is None:
+        yield
+        return
+    offload.to_device()
+    try:
+        yield
+    finally:
+        offload.to_host()
+
+
+def _cloned(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _adamw(params: list[nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
@@ -91,8 +182,20 @@ def _adamw(params: list[nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """``load_state_dict`` that keeps this optimizer's implementation (fused / foreach): a state saved on a
     GPU resumes on the CPU and back."""
+    from torch.distributed.tensor import DTensor
+
+    def plain(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.numel() > 0
+
+    given = {v.data_ptr() for s in state["state"].values() for v in s.values() if plain(v)}
     impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
+    # load_state_dict keeps a tensor that is already on the parameter's device and dtype: the optimizer would
+    # then update the caller's tensors in place (or offload them); it gets its own copies of those
+    for s in optimizer.state.values():
+        for k, v in s.items():
+            if plain(v) and v.data_ptr() in given:
+                s[k] = v.clone()
     for group, own in zip(optimizer.param_groups, impl, strict=True):
         group.update(own)
 
@@ -130,10 +233,12 @@ class ShardedAdamW:
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         eps: float = 1e-8,
+        offload_state: bool = False,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.master = self.params
         self.optimizer = _adamw(self.params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+        self.offload = StateOffload(self.optimizer) if offload_state else None
         self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None  # FSDP2 reduce-scatters itself
 
     def accumulate(self, scale: float = 1.0) -> None:
@@ -152,8 +257,10 @@ class ShardedAdamW:
         norm = nn.utils.clip_grad_norm_(self.params, grad_clip)
         value = float(_full(norm))
         if math.isfinite(value):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+            with _on_device(self.offload):
+                self.optimizer.step()
+        # the sharded fp32 gradients go (4 bytes a parameter over the ranks): the next backward makes new ones
+        self.optimizer.zero_grad(set_to_none=True)
         return value
 
     def full_state(self) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -164,11 +271,12 @@ class ShardedAdamW:
         import torch.distributed as dist
 
         keep = dist.get_rank() == 0
-        state = self.optimizer.state_dict()
-        full_state = {
-            i: {k: _full(v, keep) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in s.items()}
-            for i, s in state["state"].items()
-        }
+        with _on_device(self.offload):
+            state = self.optimizer.state_dict()
+            full_state = {
+                i: {k: _full(v, keep) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in s.items()}
+                for i, s in state["state"].items()
+            }
         masters = [_full(p, keep) for p in self.params]
         if not keep:
             return [], {"state": {}, "param_groups": state["param_groups"]}
@@ -187,6 +295,8 @@ class ShardedAdamW:
             for i, s in optim_state["state"].items()
         }
         _load_optimizer_state(self.optimizer, {"state": sharded, "param_groups": optim_state["param_groups"]})
+        if self.offload is not None:
+            self.offload.replaced()
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):  # type: ignore[no-untyped-def]

@@ -62,6 +62,7 @@ class TrainerOptions:
     micro_batch_tokens: int | None = None
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
+    offload_optimizer_state: bool = False  # AdamW's moments in host memory between steps (fp8rl.train.optim)
     compile_elementwise: bool = False  # RMSNorm and the SiLU gate as torch.compile kernels (fp8rl.train.compiled)
     # decoder layers replayed as CUDA graphs, micro-batches padded to shape buckets (fp8rl.train.graphs)
     cuda_graphs: bool = False
@@ -154,12 +155,14 @@ class TorchTrainer:
         if self.sharded:
             self._shard()
             self.optimizer = ShardedAdamW(
-                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
-            )
+                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay,
+                offload_state=opts.offload_optimizer_state,
+            )  # fmt: skip
         else:
             self.optimizer = MasterWeightAdamW(
-                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay
-            )
+                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay,
+                offload_state=opts.offload_optimizer_state,
+            )  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer.optimizer, lr_lambda(opts.warmup_steps, opts.total_steps, opts.schedule)
         )

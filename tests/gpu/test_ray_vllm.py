@@ -4,7 +4,9 @@ mismatch fails the step), on the small tiny model with eager engines:
 - colocated on one GPU, CUDA IPC sync (``ray.sync: ipc``), the engine asleep while the trainer runs;
 - split over two GPUs (trainer on one, vLLM on the other), the bucketed NCCL broadcast (``sync: collective``)
   into the engine in place, with the FP8 KV cache recalibrated on Ray after every sync;
-- colocated over two GPUs with the trainer sharded (FSDP2, two ranks) and one vLLM worker beside rank 0.
+- colocated over two GPUs with the trainer sharded (FSDP2, two ranks) and one vLLM worker beside rank 0;
+- the same with a vLLM worker beside each rank (both ranks keep the gathered weights for their engine) and
+  AdamW's moments offloaded to the host between steps (``optim.offload_optimizer_state``).
 
 The two-GPU cases skip on one GPU."""
 
@@ -24,14 +26,12 @@ pytest.importorskip("pydantic")
 ray = pytest.importorskip("ray")
 
 GPUS = torch.cuda.device_count()
-CASES = {
-    "colocated-ipc": ({"layout": "colocated", "sync": "ipc"}, "fp8-e2e", 1),
-    "split-nccl-fp8kv": ({"layout": "split", "sync": "collective"}, "fp8-e2e-kv", 2),
-    "fsdp2-colocated-ipc": (
-        {"layout": "colocated", "sync": "ipc", "trainer_workers": 2, "trainer_sharding": "fsdp"},
-        "fp8-e2e",
-        2,
-    ),
+FSDP2 = {"layout": "colocated", "sync": "ipc", "trainer_workers": 2, "trainer_sharding": "fsdp"}
+CASES: dict[str, tuple[dict[str, Any], str, int, dict[str, Any]]] = {
+    "colocated-ipc": ({"layout": "colocated", "sync": "ipc"}, "fp8-e2e", 1, {}),
+    "split-nccl-fp8kv": ({"layout": "split", "sync": "collective"}, "fp8-e2e-kv", 2, {}),
+    "fsdp2-colocated-ipc": (FSDP2, "fp8-e2e", 2, {}),
+    "fsdp2-two-engines-offload": ({**FSDP2, "rollout_workers": 2}, "fp8-e2e", 2, {"offload_optimizer_state": True}),
 }
 
 
@@ -51,7 +51,7 @@ def test_vllm_on_ray_workers_with_every_sync_verified(
     from fp8rl.config import RunConfig, load_recipe
     from fp8rl.tracking import MemorySink
 
-    ray_cfg, recipe_name, gpus = CASES[case]
+    ray_cfg, recipe_name, gpus, optim = CASES[case]
     if gpus > GPUS:
         pytest.skip(f"needs {gpus} GPUs, {GPUS} visible")
     recipe = load_recipe("fp8-e2e")
@@ -61,13 +61,14 @@ def test_vllm_on_ray_workers_with_every_sync_verified(
         "recipe": recipe, "steps": 2, "eval_every": 2, "eval_examples": 16, "eval_samples": 0,
         "grpo": {"prompts_per_step": 8, "group_size": 4}, "verify_sync": True, "work_dir": str(tmp_path),
         "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.2, "enforce_eager": True, "max_model_len": 512},
-        "ray": ray_cfg,
+        "ray": ray_cfg, "optim": optim,
     })  # fmt: skip
     lines: list[str] = []
     res = run_rl_on_ray(cfg, tiny_models["small"], MemorySink(), log=lines.append)
     layout = next(line for line in lines if line.startswith("ray:"))
     assert f"layout {ray_cfg['layout']}" in layout and f"sync {ray_cfg['sync']}" in layout
     assert f"trainer sharding {ray_cfg.get('trainer_sharding', 'replicate')}" in layout
+    assert f"{ray_cfg.get('rollout_workers', 1)} rollout worker(s)" in layout
     assert [h["sync/policy_version"] for h in res.history] == [1.0, 2.0]
     for h in res.history:
         assert 0 < h["sync/bytes_vs_bf16"] < 1  # FP8 linears on the wire

@@ -61,8 +61,8 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     _, again = replicated()
     for step, (a, a2, b) in enumerate(zip(history, again, got["history"], strict=True), start=1):
         floor = {k: abs(a[k] - a2[k]) for k in ("loss", "grad_norm")}
-        print(f"step {step} ({precision}, {world} rank(s)): loss {b['loss']:.7g} vs {a['loss']:.7g}, grad norm "
-              f"{b['grad_norm']:.7g} vs {a['grad_norm']:.7g}; replicated run to run {floor}")  # fmt: skip
+        print(f"step {step} ({precision}, {world} rank(s)): loss {b['loss']!r} vs {a['loss']!r}, grad norm "
+              f"{b['grad_norm']!r} vs {a['grad_norm']!r}; replicated run to run {floor}")  # fmt: skip
         for k in ("loss", "grad_norm"):
             assert abs(b[k] - a[k]) <= 1e-4 * abs(a[k]) + 1e-7 + 10 * floor[k], (step, k)
     ref = {k: v.cpu().float() for k, v in trainer.hf_state_dict().items()}

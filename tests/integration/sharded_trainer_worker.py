@@ -46,6 +46,17 @@ def rank_rows(rank: int, world: int) -> slice:
     return slice(0, 8) if rank == 0 else slice(8, ROWS)
 
 
+def _state_device_bytes(trainer: TorchTrainer) -> int:
+    """Bytes of storage AdamW's moments hold where they live (0 while offloaded to the host)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum(
+        (v.to_local() if isinstance(v, DTensor) else v).untyped_storage().nbytes()
+        for s in trainer.optimizer.optimizer.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -54,6 +65,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--offload-optimizer-state", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
     args = ap.parse_args()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
@@ -63,7 +75,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = TrainerOptions(
         precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp",
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state,
     )  # fmt: skip
     trainer = TorchTrainer(args.model, opts, device=device)
     if args.resume:
@@ -81,6 +93,7 @@ def main() -> None:
         dist.all_gather_object(parts, m)
         summed = {k: sum(p.get(k, 0.0) for p in parts if p) for k in m}
         summed["grad_norm"], summed["lr"] = m["grad_norm"], m["lr"]
+        summed["state_device_bytes"] = float(_state_device_bytes(trainer))  # this rank's, after the step
         history.append(summed)
     kv_after = trainer.kv_scales(batch, 0.999, 1.1)[0]
     lp_parts: list[torch.Tensor | None] = [None] * world

@@ -122,3 +122,23 @@ def test_activation_checkpointing_changes_memory_not_numbers(tiny_models: dict[s
     _trainer, history = _replicated(model, "bf16", 1)
     assert got["history"][0]["loss"] == pytest.approx(history[0]["loss"], rel=1e-5)
     assert got["history"][0]["grad_norm"] == pytest.approx(history[0]["grad_norm"], rel=1e-5)
+
+
+def test_optimizer_state_offload_changes_memory_not_numbers(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """``optim.offload_optimizer_state`` with FSDP2: AdamW's sharded moments leave the device after every step
+    (their storage is empty there) and come back for the next; the run, and its gathered state, are the same
+    as without it."""
+    model = tiny_models["tiny"]
+    got = _sharded(model, tmp_path, "--steps", "2", "--offload-optimizer-state")
+    trainer, history = _replicated(model, "bf16", 2)
+    for a, b in zip(history, got["history"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-8)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["state_device_bytes"] == 0
+    _assert_same_weights(got["weights"], {k: v.cpu() for k, v in trainer.hf_state_dict().items()})
+    # the state gathered while offloaded is the state: it resumes a replicated trainer onto the same weights
+    ref_masters, ref_optim = trainer.optimizer.full_state()
+    assert len(got["state"]["masters"]) == len(ref_masters)
+    for i, s in ref_optim["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["state"]["optimizer"]["state"][i][k], s[k].cpu(), rtol=1e-4, atol=1e-7)

@@ -1,0 +1,84 @@
+"""``optim.offload_optimizer_state``: AdamW's moments in host memory between steps (``fp8rl.train.optim.StateOffload``).
+
+The replicated trainer on the CPU (the sharded one is ``tests/integration/test_sharded_trainer.py``, the GPU's
+pinned copies ``tests/gpu/test_optimizer_offload_cuda.py``): the same steps with and without it give the same
+bytes, the moments' storage is empty between steps, and checkpoints cross between the two."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8rl.config import ConfigError, GRPOConfig, load_recipe, parse_run_config
+from fp8rl.loop import trainer_options
+from fp8rl.train.optim import StateOffload
+from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
+
+
+def _batch() -> tuple:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 20, (4,), generator=g).tolist() for _ in range(6)]
+    responses = torch.randint(3, 20, (6, 5), generator=g)
+    mask = torch.ones(6, 5)
+    advantages, old = torch.randn(6, generator=g), -torch.rand(6, 5, generator=g)
+    return build_batch(prompts, responses, mask, pad_id=0), advantages, old, mask
+
+
+def _steps(trainer: TorchTrainer, n: int) -> list[dict[str, float]]:
+    batch, adv, old, mask = _batch()
+    return [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(n)]
+
+
+def _moments(trainer: TorchTrainer) -> list[torch.Tensor]:
+    state = trainer.optimizer.optimizer.state
+    return [t for s in state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+
+
+def _trainer(model: Path, offload: bool) -> TorchTrainer:
+    return TorchTrainer(model, TrainerOptions(lr=1e-3, micro_batch_size=4, offload_optimizer_state=offload))
+
+
+def test_offloaded_moments_give_the_same_steps(tiny_models: dict[str, Path]) -> None:
+    plain, offloaded = _trainer(tiny_models["tiny"], False), _trainer(tiny_models["tiny"], True)
+    assert _steps(plain, 3) == _steps(offloaded, 3)
+    for name, w in plain.hf_state_dict().items():
+        assert torch.equal(w, offloaded.hf_state_dict()[name]), name
+    # between steps the moments hold no storage where they live; the host copies hold their values
+    moments = _moments(offloaded)
+    assert moments and all(t.untyped_storage().nbytes() == 0 for t in moments)
+    offload = offloaded.optimizer.offload
+    assert isinstance(offload, StateOffload) and offload.on_host
+    offload.to_device()
+    for a, b in zip(_moments(plain), _moments(offloaded), strict=True):
+        assert torch.equal(a, b)
+    offload.to_host()
+    assert all(t.untyped_storage().nbytes() == 0 for t in _moments(offloaded))
+
+
+def test_checkpoints_cross_between_offloaded_and_resident_state(tiny_models: dict[str, Path]) -> None:
+    model = tiny_models["tiny"]
+    offloaded = _trainer(model, True)
+    _steps(offloaded, 1)
+    state = offloaded.state_dict()  # taken while the moments are on the host
+    assert all(t.untyped_storage().nbytes() == 0 for t in _moments(offloaded))  # and sent back after
+    resident = _trainer(model, False)
+    resident.load_state_dict(state)
+    again = _trainer(model, True)
+    again.load_state_dict(state)
+    assert all(t.untyped_storage().nbytes() == 0 for t in _moments(again))  # a loaded state goes to the host too
+    expected = _steps(offloaded, 1)
+    assert _steps(resident, 1) == expected
+    assert _steps(again, 1) == expected
+
+
+def test_the_run_config_turns_it_on() -> None:
+    cfg = parse_run_config(
+        {"recipe": load_recipe("bf16").model_dump(), "optim": {"offload_optimizer_state": True}}, "test"
+    )
+    assert trainer_options(cfg).offload_optimizer_state
+    with pytest.raises(ConfigError, match="offload_optimizer_state"):
+        parse_run_config(
+            {"recipe": load_recipe("bf16").model_dump(), "optim": {"offload_optimizer_state": "sometimes"}}, "test"
+        )
