@@ -24,15 +24,17 @@
 #                                                        in-process on GPU 0 and --engine-process on GPU 1 at once
 #                                                        (ARGS); fsdp = the step, 2 FSDP trainer ranks + vLLM colocated
 #                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES); fsdp8b (not in
-#                                                        the default) = the same at llama-8b, 32 prompts, AdamW's
-#                                                        moments offloaded, a vLLM worker per GPU
-#                                                        (docs/configs/bench-vllm-ray-fsdp-8b.yaml); kvbudget (not
+#                                                        the default) = the same at llama-8b, 32 prompts
+#                                                        (PROMPTS_8B), AdamW's moments offloaded, a vLLM worker per
+#                                                        GPU (docs/configs/bench-vllm-ray-fsdp-8b.yaml); kvbudget (not
 #                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
 #                                                        the whole batch, then on 16k tokens of it
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
 #                                                        at once: the machine goes back 30 s after a call ends, and
 #                                                        the job (and the vLLM setup in /tmp) with it
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
+# MBT sets the benchmarks' --micro-batch-tokens (default 4096); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
+# own pytest call, after the trainer's GPU tests; e.g. "tests/gpu/test_ray_vllm.py -k fsdp2").
 # Results: $OUT/ray_vllm.log and $OUT/results.tar.gz (every .json, .md and .log the job wrote under /tmp/res).
 set -uo pipefail
 step=${1:?step}; arg=${2:-}
@@ -88,7 +90,7 @@ case $step in
     mkdir -p $RES
     bench() {  # bench <config> <recipes> <out dir> [shape] [prompts]
       echo "python3 -m fp8rl bench step --shape ${4:-${SHAPE:-llama-1b}} --config $1 --recipes $2 --prompts ${5:-${PROMPTS:-16}} \
-        --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens 4096 --no-mlflow \
+        --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens ${MBT:-4096} --no-mlflow \
         --out $3 --work-dir /tmp/work"
     }
     tests=""
@@ -103,8 +105,10 @@ case $step in
       for part in ${X2:-tests split overhead fsdp}; do
         case $part in
           tests) job="$job; python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_sharded_trainer_cuda.py \
-                   tests/gpu/test_optimizer_offload_cuda.py ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} ${PYTEST:-} \
-                   > $RES/pytest_x2.log 2>&1; grep -h '^step \|sharded\|moments\|passed\|failed' $RES/pytest_x2.log | cut -c1-240";;
+                   tests/gpu/test_optimizer_offload_cuda.py ${PYTEST:-} > $RES/pytest_x2_trainer.log 2>&1; \
+                   python3 -m pytest -q -rA -p no:cacheprovider ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} \
+                   > $RES/pytest_x2.log 2>&1; grep -h '^step \|sharded\|moments\|passed\|failed' \
+                   $RES/pytest_x2_trainer.log $RES/pytest_x2.log | cut -c1-240";;
           split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
                    "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
           overhead) A="${ARGS:---variants bf16,fp8-kv --modes fp8rl,neither --long-tokens 0 --profile-tokens 0}"

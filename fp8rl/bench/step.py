@@ -258,7 +258,7 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
     for r in results:
         parts = [
             f"FP8 KV-cache recalibration {r.kv_calibrate_s:.3f} s of the sync" if r.kv_calibrate_s is not None else "",
-            f"the sleeping rollout engine freed {r.rollout_sleep_freed_gb:.1f} GB for training"
+            f"the sleeping rollout engines freed {r.rollout_sleep_freed_gb:.1f} GB for training (all workers together)"
             if r.rollout_sleep_freed_gb is not None else "",
             f"sync: requantize {r.sync_requantize_s:.3f} s, transfer and load {r.sync_load_s:.3f} s"
             if r.sync_requantize_s > 0 else "",

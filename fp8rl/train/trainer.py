@@ -214,6 +214,17 @@ class TorchTrainer:
             if isinstance(m, FP8TrainLinear):
                 m.prepare()
 
+    def _optimizer_step(self) -> float:
+        """Clip and step (the pre-clip grad norm).  The FP8 linears' cached weight operands describe the weights
+        being replaced: without CUDA graphs they go before the step, so they do not sit beside AdamW's state at
+        its peak (2 bytes a parameter, of the whole model under FSDP2, where each rank caches the gathered
+        weights); with CUDA graphs they are requantized into their buffers after it."""
+        if self.graphs is None:
+            self._weights_changed()
+        grad_norm = self.optimizer.step(self.opts.grad_clip)
+        self._weights_changed()
+        return grad_norm
+
     def _weights_changed(self) -> None:
         """After an optimizer step or a load: FP8 linears drop their cached FP8 weights (with CUDA graphs, which
         read those buffers, requantize into them)."""
@@ -432,8 +443,7 @@ class TorchTrainer:
             # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
             # graph captured in that forward must not find the parameters' gradient nodes of this one alive
             del lp, inp, loss
-        grad_norm = self.optimizer.step(self.opts.grad_clip)
-        self._weights_changed()
+        grad_norm = self._optimizer_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step_count += 1
@@ -460,8 +470,7 @@ class TorchTrainer:
             self.optimizer.accumulate()
             loss_total += float(loss.detach())
             del lp, loss  # as in policy_step
-        grad_norm = self.optimizer.step(self.opts.grad_clip)
-        self._weights_changed()
+        grad_norm = self._optimizer_step()
         self.scheduler.step()
         self.step_count += 1
         return {"sft_loss": loss_total, "grad_norm": grad_norm}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
 
 
 def test_offloaded_moments_on_cuda_give_the_same_steps_and_free_the_device(tiny_models: dict[str, Path]) -> None:

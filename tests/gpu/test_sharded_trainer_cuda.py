@@ -24,6 +24,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
+pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
 from fp8rl.config import GRPOConfig
 from fp8rl.quant import QuantSpec, quantize_activation, quantize_weight
 from fp8rl.rl import mismatch_metrics

@@ -254,7 +254,8 @@ def test_step_report_names_kv_recalibration_and_sleep_memory_where_measured() ->
     doc, md = report([plain, kv], {"model": "llama-1b"})
     assert doc["results"][1]["kv_calibrate_s"] == 0.4 and doc["results"][0]["kv_calibrate_s"] is None
     assert (
-        "- fp8-e2e-kv: FP8 KV-cache recalibration 0.400 s of the sync; the sleeping rollout engine freed 21.5 GB" in md
+        "- fp8-e2e-kv: FP8 KV-cache recalibration 0.400 s of the sync; the sleeping rollout engines freed 21.5 GB "
+        "for training (all workers together)" in md
     )
     assert "- bf16" not in md
 

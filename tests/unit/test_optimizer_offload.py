@@ -82,3 +82,25 @@ def test_the_run_config_turns_it_on() -> None:
         parse_run_config(
             {"recipe": load_recipe("bf16").model_dump(), "optim": {"offload_optimizer_state": "sometimes"}}, "test"
         )
+
+
+def test_fp8_linears_drop_their_cached_weights_before_the_step(tiny_models: dict[str, Path]) -> None:
+    """The FP8 weight operands a fused linear caches (on GPUs; here planted) are gone when AdamW steps, so they
+    do not add to the step's memory peak; the step itself is unchanged."""
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(precision="fp8", lr=1e-3, micro_batch_size=4))
+    linears = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
+    assert linears
+    seen: list[bool] = []
+    step = trainer.optimizer.step
+
+    def checked(grad_clip: float) -> float:
+        seen.append(all(m._fused_weight is None for m in linears))
+        return step(grad_clip)
+
+    trainer.optimizer.step = checked  # type: ignore[method-assign]
+    for m in linears:
+        m._fused_weight = object()  # type: ignore[assignment]  # what a GPU forward would have cached
+    _steps(trainer, 1)
+    assert seen == [True]
