@@ -262,6 +262,10 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             if r.rollout_sleep_freed_gb is not None else "",
             f"sync: requantize {r.sync_requantize_s:.3f} s, transfer and load {r.sync_load_s:.3f} s"
             if r.sync_requantize_s > 0 else "",
+            f"optimizer state to the host and back {r.optimizer_offload_s:.2f} s of train"
+            if r.optimizer_offload_s is not None else "",
+            f"{r.cuda_alloc_retries:.0f} allocator retries in the policy step"
+            if r.cuda_alloc_retries else "",
         ]  # fmt: skip
         if any(parts):
             notes.append(f"- {r.recipe}: " + "; ".join(p for p in parts if p))

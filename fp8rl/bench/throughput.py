@@ -56,6 +56,8 @@ STEP_METRICS: dict[str, str] = {
 OPTIONAL_STEP_METRICS: dict[str, str] = {
     "time/kv_calibrate_s": "kv_calibrate_s",
     "memory/rollout_sleep_freed_gb": "rollout_sleep_freed_gb",
+    "train/optimizer_offload_s": "optimizer_offload_s",
+    "train/cuda_alloc_retries": "cuda_alloc_retries",
 }
 
 
@@ -89,6 +91,11 @@ class ThroughputResult:
     kv_calibrate_s: float | None = None
     # colocated vLLM rollout workers: device memory their engines freed by sleeping (None: not measured)
     rollout_sleep_freed_gb: float | None = None
+    # part of train_s: AdamW's state copied to the host and back (optim.offload_optimizer_state; the slowest rank)
+    optimizer_offload_s: float | None = None
+    # CUDA: times a trainer's caching allocator freed its cache to retry an allocation in a policy step (the most
+    # of any rank): memory at its limit, each retry a synchronising cudaFree/cudaMalloc round
+    cuda_alloc_retries: float | None = None
 
     @property
     def idle_s(self) -> float:

@@ -122,6 +122,23 @@ class RolloutGroup:
             self.sleep_freed_bytes = sum(measured) if measured else None
 
 
+# policy_step metrics that are each rank's own (not its share of a global sum): the group reports the largest
+PER_RANK_MAX = ("optimizer_offload_s", "cuda_alloc_retries")
+
+
+def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One policy step's metrics from its ranks': each rank's loss and metrics are its exact share of the global
+    ones (summed); the grad norm and lr are global (rank 0's); a rank's own costs (``PER_RANK_MAX``), paid by
+    all ranks at once, are the slowest rank's."""
+    out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in per_rank[0]}
+    for global_key in ("grad_norm", "lr"):
+        out[global_key] = per_rank[0][global_key]
+    for key in PER_RANK_MAX:
+        if key in out:
+            out[key] = max(m.get(key, 0.0) for m in per_rank)
+    return out
+
+
 @dataclass
 class TrainerGroup:
     """The data-parallel trainer workers behind the trainer methods the loop uses."""
@@ -179,11 +196,7 @@ class TrainerGroup:
             for a, rows in zip(self.actors, chunks, strict=True)
         ]
         per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
-        # each rank's loss and metrics are its exact share of the global ones; norm and lr are global
-        out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in per_rank[0]}
-        for global_key in ("grad_norm", "lr"):
-            out[global_key] = per_rank[0][global_key]
-        return out
+        return combine_rank_metrics(per_rank)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = self.lead("state_dict")

@@ -28,6 +28,7 @@ implementation runs, so the CPU tests' numbers do not depend on which one a buil
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -112,6 +113,12 @@ class StateOffload:
         self.optimizer = optimizer
         self.on_host = False
         self._host: dict[tuple[int, str], torch.Tensor] = {}
+        self.seconds = 0.0  # spent copying, both ways, since the last ``take_seconds``
+
+    def take_seconds(self) -> float:
+        """The seconds the copies took since the last call (each waits for its copies to land)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def _states(self) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
         from torch.distributed.tensor import DTensor
@@ -127,6 +134,7 @@ class StateOffload:
     def to_host(self) -> None:
         if self.on_host:
             return
+        t0 = time.perf_counter()
         moved = []
         for key, t in self._states():
             host = self._host.get(key)
@@ -140,6 +148,7 @@ class StateOffload:
         for t in moved:
             t.untyped_storage().resize_(0)
         self.on_host = True
+        self.seconds += time.perf_counter() - t0
 
     def replaced(self) -> None:
         """The optimizer's state was loaded anew (on its device): send it to the host."""
@@ -150,10 +159,16 @@ class StateOffload:
     def to_device(self) -> None:
         if not self.on_host:
             return
+        t0 = time.perf_counter()
+        cuda = False
         for key, t in self._states():
             t.untyped_storage().resize_(t.numel() * t.element_size())
             t.copy_(self._host[key], non_blocking=t.is_cuda)  # ordered before the step on this stream
+            cuda = cuda or t.is_cuda
+        if cuda:  # the step waits for the copies anyway; waiting here times them
+            torch.cuda.synchronize()
         self.on_host = False
+        self.seconds += time.perf_counter() - t0
 
 
 @contextmanager

@@ -35,7 +35,9 @@ def test_offloaded_moments_on_cuda_give_the_same_steps_and_free_the_device(tiny_
                        for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
     before = torch.cuda.memory_allocated()
     off, h_off, after = run(True)
-    assert h_off == h_plain
+    numbers = [{k: v for k, v in m.items() if k not in ("optimizer_offload_s", "cuda_alloc_retries")} for m in h_off]
+    assert numbers == [{k: v for k, v in m.items() if k != "cuda_alloc_retries"} for m in h_plain]
+    assert all(m["optimizer_offload_s"] > 0 for m in h_off)  # each step copied the moments back and out
     for name, w in plain.hf_state_dict().items():
         assert torch.equal(w, off.hf_state_dict()[name]), name
     state = off.optimizer.optimizer.state

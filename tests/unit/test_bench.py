@@ -250,8 +250,11 @@ def test_step_report_names_kv_recalibration_and_sleep_memory_where_measured() ->
         8.0,
         kv_calibrate_s=0.4,
         rollout_sleep_freed_gb=21.5,
+        optimizer_offload_s=2.25,
+        cuda_alloc_retries=3.0,
     )
     doc, md = report([plain, kv], {"model": "llama-1b"})
+    assert "optimizer state to the host and back 2.25 s of train; 3 allocator retries in the policy step" in md
     assert doc["results"][1]["kv_calibrate_s"] == 0.4 and doc["results"][0]["kv_calibrate_s"] is None
     assert (
         "- fp8-e2e-kv: FP8 KV-cache recalibration 0.400 s of the sync; the sleeping rollout engines freed 21.5 GB "

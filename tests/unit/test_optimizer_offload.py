@@ -26,9 +26,11 @@ def _batch() -> tuple:
     return build_batch(prompts, responses, mask, pad_id=0), advantages, old, mask
 
 
-def _steps(trainer: TorchTrainer, n: int) -> list[dict[str, float]]:
+def _steps(trainer: TorchTrainer, n: int, timings: bool = False) -> list[dict[str, float]]:
+    """``n`` policy steps' metrics (without the seconds the offload took, which differ run to run)."""
     batch, adv, old, mask = _batch()
-    return [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(n)]
+    out = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(n)]
+    return out if timings else [{k: v for k, v in m.items() if k != "optimizer_offload_s"} for m in out]
 
 
 def _moments(trainer: TorchTrainer) -> list[torch.Tensor]:
@@ -104,3 +106,27 @@ def test_fp8_linears_drop_their_cached_weights_before_the_step(tiny_models: dict
         m._fused_weight = object()  # type: ignore[assignment]  # what a GPU forward would have cached
     _steps(trainer, 1)
     assert seen == [True]
+
+
+def test_a_step_reports_what_its_memory_handling_cost(tiny_models: dict[str, Path]) -> None:
+    """``optimizer_offload_s`` when offloading (the copies both ways; not a checkpoint's between steps), nothing
+    without it; ``cuda_alloc_retries`` only on CUDA; a Ray trainer group reports the slowest rank's."""
+    from fp8rl.cluster.groups import combine_rank_metrics
+
+    plain, offloaded = _trainer(tiny_models["tiny"], False), _trainer(tiny_models["tiny"], True)
+    (m_plain,) = _steps(plain, 1, timings=True)
+    (m_off,) = _steps(offloaded, 1, timings=True)
+    assert "optimizer_offload_s" not in m_plain and "cuda_alloc_retries" not in m_plain
+    assert m_off["optimizer_offload_s"] > 0  # the first step's moments went to the host
+    offload = offloaded.optimizer.offload
+    assert offload is not None
+    offloaded.state_dict()  # copies between steps (a checkpoint) ...
+    assert offload.seconds > 0
+    offload.seconds += 1000.0  # ... marked, so that a step counting them would show it
+    (m_next,) = _steps(offloaded, 1, timings=True)
+    assert 0 < m_next["optimizer_offload_s"] < 1000.0 and offload.seconds == 0.0
+    ranks = [{"loss": 0.5, "grad_norm": 2.0, "lr": 1e-3, "optimizer_offload_s": 1.5, "cuda_alloc_retries": 0.0},
+             {"loss": 0.25, "grad_norm": 2.0, "lr": 1e-3, "optimizer_offload_s": 2.5, "cuda_alloc_retries": 3.0}]  # fmt: skip
+    assert combine_rank_metrics(ranks) == {
+        "loss": 0.75, "grad_norm": 2.0, "lr": 1e-3, "optimizer_offload_s": 2.5, "cuda_alloc_retries": 3.0
+    }  # fmt: skip
