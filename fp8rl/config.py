@@ -298,6 +298,12 @@ class RayConfig(_Strict):
     # sharded, every rank gathers and ranks 0 .. rollout_workers-1 keep the full weights for their engine)
     sync: Literal["objectstore", "collective", "ipc"] = "objectstore"
     sync_bucket_mb: int = Field(256, ge=1)
+    # colocated: after loading new weights (and recalibrating an FP8 KV cache) the engines go back to sleep until the
+    # next generation; false keeps them awake from the load to that generation: one sleep and one wake-up fewer a step
+    # (vLLM's level-1 sleep copies the weights to host memory and its wake-up copies them back). The trainer's KV
+    # calibration forward then runs beside the awake engines; they are put to sleep before a checkpoint gathers the
+    # trainer state (which brings an offloaded optimizer state back to the GPU)
+    sleep_after_sync: bool = True
 
     @model_validator(mode="after")
     def _ipc_needs_a_trainer_rank_per_engine(self) -> RayConfig:

@@ -61,6 +61,7 @@ class RayParts:
     sync_layout: Any = None
     kv_cache: str = "bf16"  # the recipe's; fp8: calibrate_kv recalibrates the engines' scales
     ipc: bool = False  # RayConfig.sync "ipc": each rollout worker maps its trainer rank's packed payload
+    sleep_after_sync: bool = True  # RayConfig.sleep_after_sync: False keeps colocated engines awake until generation
 
     def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
         """FP8 KV cache: scales from trainer rank 0's policy (every rank's forward when sharded), written into
@@ -70,8 +71,13 @@ class RayParts:
         scales, seconds = self.trainer.lead("kv_scales", batch)
         self.engine.wake_up()
         self.engine.calls.get([a.set_kv_scales.remote(scales) for a in self.engine.actors], self.engine.names)
-        self.engine.sleep()
+        self._after_sync()
         return kv_scale_metrics(scales, seconds)
+
+    def _after_sync(self) -> None:
+        """The engines go back to sleep after a load, unless they are to stay awake until the next generation."""
+        if self.sleep_after_sync:
+            self.engine.sleep()
 
     def push_weights(self, version: int) -> SyncStats:
         if self.sync_layout is not None:
@@ -87,7 +93,7 @@ class RayParts:
         loads = [a.load_weights.remote(payload_refs[0], version, self.verify) for a in self.engine.actors]
         sizes = self.engine.calls.get(loads, [f"{n}.load_weights" for n in self.engine.names])
         self.trainer.calls.get(payload_refs[1:], [f"{n}.rollout_payload" for n in self.trainer.names[1:]])
-        self.engine.sleep()
+        self._after_sync()
         self.engine.policy_version = version
         seconds = time.perf_counter() - t0
         return SyncStats(version, int(sizes[0]), len(self.fp8_names), 0.0, seconds, self.verify)
@@ -101,7 +107,7 @@ class RayParts:
         receives = [a.receive_weights.remote(self.sync_layout, version) for a in engine.actors]
         t_names = [f"{n}.push_weights" for n in self.trainer.names[: len(sends)]]
         sent, *_rest = engine.calls.get([*sends, *receives], [*t_names, *engine.names])
-        engine.sleep()
+        self._after_sync()
         engine.policy_version = version
         nbytes, requant_s, transfer_s = sent
         return SyncStats(version, int(nbytes), len(self.fp8_names), requant_s, transfer_s, self.verify)
@@ -121,7 +127,7 @@ class RayParts:
             loaded = engine.calls.get(loads, [f"{n}.load_shared" for n in engine.names])
         finally:
             trainer.calls.get([a.release_shared.remote() for a in senders], [f"{n}.release_shared" for n in names])
-        engine.sleep()
+        self._after_sync()
         engine.policy_version = version
         requant_s = max(s[1] for s in shared if s is not None)
         return SyncStats(
@@ -169,6 +175,8 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     engine = RolloutGroup(rollouts, calls, rc.layout == "colocated", pad, 0, r_names)
     engine.sleep()
     trainer = TrainerGroup(trainers, calls, names_of("trainer", rc.trainer_workers), rc.trainer_sharding == "fsdp")
+    if not rc.sleep_after_sync:  # the trainer state's gather (a checkpoint) runs with the engines asleep
+        trainer.before_full_state = engine.sleep
     layout = _init_collective_sync(calls, trainer, rollouts, rc, fp8_names) if rc.sync == "collective" else None
     mem = calls.get(trainers[0].memory.remote(), "trainer-0.memory")
     held_mb = (mem["param_bytes"] + mem["master_bytes"] + mem["optimizer_state_bytes"]) / 2**20
@@ -179,7 +187,7 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     )
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
-        fp8_names, layout, cfg.recipe.kv_cache, rc.sync == "ipc",
+        fp8_names, layout, cfg.recipe.kv_cache, rc.sync == "ipc", rc.sleep_after_sync,
     )  # fmt: skip
 
 

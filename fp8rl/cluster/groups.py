@@ -4,7 +4,7 @@ fails (``WorkerError``, ``WorkerDied``, ``WorkerTimeout``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +148,8 @@ class TrainerGroup:
     names: list[str] = field(default_factory=list)
     # fsdp: every rank takes part in every forward and in every gather of the full weights
     sharded: bool = False
+    # called before the trainer state is gathered (colocated engines kept awake after a sync: put them to sleep)
+    before_full_state: Callable[[], None] | None = None
 
     def lead(self, method: str, *args: Any) -> Any:
         """``method`` on rank 0, whose answer counts; sharded, on every rank (a collective), rank 0 answering."""
@@ -199,6 +201,8 @@ class TrainerGroup:
         return combine_rank_metrics(per_rank)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.before_full_state is not None:
+            self.before_full_state()
         state: dict[str, Any] = self.lead("state_dict")
         return state
 

@@ -5,8 +5,9 @@ mismatch fails the step), on the small tiny model with eager engines:
 - split over two GPUs (trainer on one, vLLM on the other), the bucketed NCCL broadcast (``sync: collective``)
   into the engine in place, with the FP8 KV cache recalibrated on Ray after every sync;
 - colocated over two GPUs with the trainer sharded (FSDP2, two ranks) and one vLLM worker beside rank 0;
-- the same with a vLLM worker beside each rank (both ranks keep the gathered weights for their engine) and
-  AdamW's moments offloaded to the host between steps (``optim.offload_optimizer_state``).
+- the same with a vLLM worker beside each rank (both ranks keep the gathered weights for their engine), AdamW's
+  moments offloaded to the host between steps (``optim.offload_optimizer_state``) and the engines kept awake from
+  the sync to the generation (``ray.sleep_after_sync: false``; this last part added after its 2x H100 run).
 
 The two-GPU cases skip on one GPU."""
 
@@ -31,7 +32,12 @@ CASES: dict[str, tuple[dict[str, Any], str, int, dict[str, Any]]] = {
     "colocated-ipc": ({"layout": "colocated", "sync": "ipc"}, "fp8-e2e", 1, {}),
     "split-nccl-fp8kv": ({"layout": "split", "sync": "collective"}, "fp8-e2e-kv", 2, {}),
     "fsdp2-colocated-ipc": (FSDP2, "fp8-e2e", 2, {}),
-    "fsdp2-two-engines-offload": ({**FSDP2, "rollout_workers": 2}, "fp8-e2e", 2, {"offload_optimizer_state": True}),
+    "fsdp2-two-engines-offload": (
+        {**FSDP2, "rollout_workers": 2, "sleep_after_sync": False},
+        "fp8-e2e",
+        2,
+        {"offload_optimizer_state": True},
+    ),
 }
 
 

@@ -110,6 +110,37 @@ def test_colocated_layout_sleeps_the_engines_between_generations(
         parts.shutdown()
 
 
+def test_colocated_engines_can_stay_awake_from_the_sync_to_the_generation(
+    local_ray: object, warm_model: Path, tmp_path: Path
+) -> None:
+    """``ray.sleep_after_sync: false``: the engines stay awake after a weight load (and the FP8 KV recalibration
+    a bf16 KV cache skips) until the generation that follows, which puts them to sleep; a gather of the trainer
+    state (a checkpoint) puts them to sleep first. The run computes what the default one computes."""
+    from fp8rl.cluster.driver import create_ray_parts
+
+    def run(awake: bool) -> tuple[list[dict[str, float]], list[bool], list[bool]]:
+        rc = RayConfig(trainer_workers=2, rollout_workers=2, layout="colocated", sleep_after_sync=not awake)
+        cfg = _cfg("fp8-e2e", rc, tmp_path / str(awake), steps=2)
+        parts = create_ray_parts(cfg, warm_model, log=lambda _s: None)
+        asleep = lambda: ray.get([a.is_asleep.remote() for a in parts.engine.actors])  # noqa: E731
+        try:
+            result = run_rl(cfg, warm_model, MemorySink(), log=lambda _s: None, parts=parts)
+            parts.push_weights(3)
+            after_push = asleep()
+            parts.trainer.state_dict()
+            after_gather = asleep()
+        finally:
+            parts.shutdown()
+        return result.history, after_push, after_gather
+
+    keys = ("reward", "train/loss", "train/grad_norm", "sync/bytes", "sync/policy_version")
+    history, *states = run(awake=True)
+    default, *default_states = run(awake=False)
+    assert [[h[k] for k in keys] for h in history] == [[h[k] for k in keys] for h in default]
+    assert states == [[False, False], [True, True]]
+    assert default_states == [[True, True], [True, True]]
+
+
 def test_a_killed_actor_is_replaced_and_the_run_resumes_with_every_step_logged_once(
     local_ray: object, warm_model: Path, tmp_path: Path
 ) -> None:
