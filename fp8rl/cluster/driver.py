@@ -180,10 +180,11 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     layout = _init_collective_sync(calls, trainer, rollouts, rc, fp8_names) if rc.sync == "collective" else None
     mem = calls.get(trainers[0].memory.remote(), "trainer-0.memory")
     held_mb = (mem["param_bytes"] + mem["master_bytes"] + mem["optimizer_state_bytes"]) / 2**20
+    where_state = ", AdamW state in host memory between steps" if mem["optimizer_state_offloaded"] else ""
     log(
         f"ray: {rc.trainer_workers} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, "
         f"device {where.device}, sync {rc.sync}, trainer sharding {rc.trainer_sharding} "
-        f"(rank 0 holds {held_mb:.1f} MB of weights, fp32 masters and AdamW state)"
+        f"(rank 0 holds {held_mb:.1f} MB of weights, fp32 masters and AdamW state{where_state})"
     )
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,

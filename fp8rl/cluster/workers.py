@@ -255,14 +255,18 @@ class TrainerWorker(_PeakMemory):
         return sum(p.numel() * 2 for p in self.trainer.model.parameters())  # a DTensor's numel is the full one
 
     def memory(self) -> dict[str, float]:
-        """This rank's resident training state in bytes: bf16 weights (replicated only; sharded, they exist
-        while a unit is gathered), fp32 masters, and AdamW's two fp32 moments (made at the first step)."""
+        """This rank's training state in bytes: bf16 weights (replicated only; sharded, they exist while a unit is
+        gathered), fp32 masters, and AdamW's two fp32 moments (made at the first step; in host memory between
+        steps when ``optimizer_state_offloaded`` is 1)."""
         from torch.distributed.tensor import DTensor
 
         opt = self.trainer.optimizer
         local = sum(m.to_local().numel() if isinstance(m, DTensor) else m.numel() for m in opt.master)
         params = 0 if self.sharded else sum(p.numel() * p.element_size() for p in self.trainer.model.parameters())
-        return {"param_bytes": float(params), "master_bytes": 4.0 * local, "optimizer_state_bytes": 8.0 * local}
+        return {
+            "param_bytes": float(params), "master_bytes": 4.0 * local, "optimizer_state_bytes": 8.0 * local,
+            "optimizer_state_offloaded": float(opt.offload is not None),
+        }  # fmt: skip
 
     def state_dict(self) -> dict[str, Any] | None:
         """The full trainer state from rank 0 (sharded: gathered by every rank)."""
