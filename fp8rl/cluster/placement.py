@@ -87,17 +87,18 @@ def start_actors(
         trainer_cls.options(**where.options("trainer", r)).remote(r, n, init_method, cfg_data, model, device, threads)
         for r in range(n)
     ]
+    trainers_ready = [t.ready.remote() for t in trainers]
     rollouts: list[Any] = []
     try:
         if rc.layout == "colocated" and where.use_gpu:
             # vLLM sizes its KV cache from the free memory it measures while it starts: the trainers on its
             # GPU have placed their weights first, so that measure does not move under it
-            calls.get([t.ready.remote() for t in trainers], names_of("trainer", n))
+            calls.get(trainers_ready, names_of("trainer", n))
         rollouts = [
             rollout_cls.options(**where.options("rollout", i)).remote(cfg_data, model, device, threads)
             for i in range(rc.rollout_workers)
         ]
-        calls.get([t.ready.remote() for t in trainers], names_of("trainer", n))
+        calls.get(trainers_ready, names_of("trainer", n))
         calls.get([r.pid.remote() for r in rollouts], names_of("rollout", rc.rollout_workers))
     except WorkerDied as e:  # a constructor raised: not a fault to resume from
         for actor in trainers + rollouts:

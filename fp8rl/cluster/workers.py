@@ -172,12 +172,14 @@ class TrainerWorker(_PeakMemory):
         if self.colocated and self.trainer.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _full_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full bf16 weights on the rank that answers (0); sharded, every rank joins the gather."""
-        if self.sharded:  # every rank joins the gathers; only rank 0 keeps what they gather
-            weights = self.trainer.hf_state_dict(keep=self.rank == 0)
-            return weights if self.rank == 0 else None
-        return self.trainer.hf_state_dict() if self.rank == 0 else None
+    def _full_weights(self, answering: int = 1) -> dict[str, torch.Tensor] | None:
+        """The full bf16 weights on the ranks that answer (0 .. ``answering``-1), None on the others; sharded,
+        every rank joins the gather and only the answering ranks keep what it gathers."""
+        answers = self.rank < answering
+        if self.sharded:
+            weights = self.trainer.hf_state_dict(keep=answers)
+            return weights if answers else None
+        return self.trainer.hf_state_dict() if answers else None
 
     def rollout_payload(self, fp8_names: list[str]) -> WirePayload | None:
         """The weights requantized with the rollout recipe, from rank 0 (replicated, every rank holds the same)."""
@@ -197,13 +199,10 @@ class TrainerWorker(_PeakMemory):
         gather and the ranks with a rollout worker on their GPU (0 .. rollout_workers-1) answer."""
         self.release_shared()
         t0 = time.perf_counter()
-        if self.sharded:  # every rank joins the gathers; rank i keeps them when rollout worker i is on its GPU
-            serves = self.rank < (self.cfg.ray.rollout_workers if self.cfg.ray is not None else 1)
-            weights = self.trainer.hf_state_dict(keep=serves)
-            if not serves:
-                return None
-        else:
-            weights = self.trainer.hf_state_dict()
+        # rank i answers when rollout worker i is on its GPU (the driver calls only those ranks when replicated)
+        weights = self._full_weights(self.cfg.ray.rollout_workers if self.cfg.ray is not None else 1)
+        if weights is None:
+            return None
         payload = self._requantized(weights, fp8_names)
         shared, buffer = share_payload(payload)
         del payload, weights

@@ -38,6 +38,7 @@ from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
+from fp8rl.train.step_memory import StepMemory
 
 SHARDINGS = ("replicate", "fsdp")
 
@@ -123,13 +124,6 @@ def build_batch(
     return SequenceBatch(ids, attn, positions, response_mask.cpu().float(), width)
 
 
-def _alloc_retries(device: torch.device) -> int | None:
-    """The CUDA caching allocator's retry count on ``device`` so far (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-
-
 def policy_batch_totals(loss_mask: torch.Tensor) -> tuple[float, float]:
     """(valid tokens, valid sequences) of a policy batch: the denominators of its loss aggregation."""
     return float(loss_mask.sum().clamp(min=1)), float((loss_mask.sum(-1) > 0).sum().clamp(min=1))
@@ -170,6 +164,7 @@ class TorchTrainer:
                 list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay,
                 offload_state=opts.offload_optimizer_state,
             )  # fmt: skip
+        self.step_memory = StepMemory(self.device, self.optimizer.offload)  # a policy step's memory costs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer.optimizer, lr_lambda(opts.warmup_steps, opts.total_steps, opts.schedule)
         )
@@ -220,25 +215,6 @@ class TorchTrainer:
         for m in self.model.modules():
             if isinstance(m, FP8TrainLinear):
                 m.prepare()
-
-    def _memory_mark(self) -> int | None:
-        """The start of a step for ``_memory_metrics``: the allocator's retry count so far; the offload's timer
-        restarted (copies between steps, for a checkpoint, are not this step's)."""
-        if self.optimizer.offload is not None:
-            self.optimizer.offload.take_seconds()
-        return _alloc_retries(self.device)
-
-    def _memory_metrics(self, retries_before: int | None) -> dict[str, float]:
-        """What this step's memory handling cost: ``optimizer_offload_s`` (the optimizer state's copies to the host
-        and back, with ``offload_optimizer_state``) and, on CUDA, ``cuda_alloc_retries`` (the times the caching
-        allocator had to free its cache and retry a request during the step: memory at its limit)."""
-        out: dict[str, float] = {}
-        offload = self.optimizer.offload
-        if offload is not None:
-            out["optimizer_offload_s"] = offload.take_seconds()
-        if retries_before is not None:
-            out["cuda_alloc_retries"] = float(_alloc_retries(self.device) or 0) - retries_before
-        return out
 
     def _optimizer_step(self) -> float:
         """Clip and step (the pre-clip grad norm).  The FP8 linears' cached weight operands describe the weights
@@ -442,7 +418,7 @@ class TorchTrainer:
         sums: dict[str, float] = {}
         loss_total = 0.0
         self._tokens = [0.0, 0.0]
-        retries = self._memory_mark()
+        self.step_memory.start()
         for sl in self._micro_batches(batch):
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
@@ -478,7 +454,7 @@ class TorchTrainer:
         return {
             **sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
             "tokens_valid": valid, **(self.graphs.stats() if self.graphs is not None else {}),
-            **self._memory_metrics(retries),
+            **self.step_memory.metrics(),
         }  # fmt: skip
 
     def sft_step(self, batch: SequenceBatch) -> dict[str, float]:
