@@ -26,7 +26,8 @@
 #                                                        (FSDP_SHAPE, default llama-3b; FSDP_RECIPES); fsdp8b (not in
 #                                                        the default) = the same at llama-8b, 32 prompts
 #                                                        (PROMPTS_8B), AdamW's moments offloaded, a vLLM worker per
-#                                                        GPU (docs/configs/bench-vllm-ray-fsdp-8b.yaml); SET_8B adds
+#                                                        GPU (CONFIG_8B, default
+#                                                        docs/configs/bench-vllm-ray-fsdp-8b.yaml); SET_8B adds
 #                                                        flags (e.g. "--set ray.sleep_after_sync=false"); kvbudget (not
 #                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
 #                                                        the whole batch, then on 16k tokens of it
@@ -121,7 +122,7 @@ case $step in
                    wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
-          fsdp8b) job="$job; echo PART fsdp8b; $(bench docs/configs/bench-vllm-ray-fsdp-8b.yaml \
+          fsdp8b) job="$job; echo PART fsdp8b; $(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
                    "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
                    ${SET_8B:-}";;
           kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml docs/configs/fp8-e2e-kv.yaml \
