@@ -141,6 +141,10 @@ case $step in
         $(bench docs/configs/bench-vllm-ray-ipc.yaml "${RECIPES:-bf16,fp8-e2e}" $RES/ipc) && \
         $(bench docs/configs/bench-vllm-ray.yaml "${STORE_RECIPES:-fp8-e2e}" $RES/objectstore)"
     fi
+    if [ "$step" = poll ] && [ ! -e $RES/ray_vllm.log ]; then
+      # a poll that came after the machine went back lands on a fresh one: say so now, not after WAIT_S
+      echo "no job on this machine (it was given back and this is a fresh one): start the run again"; exit 3
+    fi
     if [ "$step" != poll ]; then
       rm -f $RES/done
       setsid nohup bash -c "($job) > $RES/ray_vllm.log 2>&1; echo EXIT \$? >> $RES/ray_vllm.log; touch $RES/done" \

@@ -66,7 +66,6 @@ def main() -> None:
     ap.add_argument("--resume", default=None)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--offload-optimizer-state", action="store_true")
-    ap.add_argument("--compile-elementwise", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
     args = ap.parse_args()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
@@ -77,7 +76,6 @@ def main() -> None:
     opts = TrainerOptions(
         precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp",
         activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state,
-        compile_elementwise=args.compile_elementwise,
     )  # fmt: skip
     trainer = TorchTrainer(args.model, opts, device=device)
     if args.resume:
@@ -120,7 +118,7 @@ def main() -> None:
         torch.save(
             {"history": history, "logprobs": torch.cat([t for t in lp_parts if t is not None]), "weights": weights,
              "state": state, "local_sizes": sizes, "kv_before": kv_before, "kv_after": kv_after,
-             "kept": kept, "compiled": len(trainer.compiled_modules)},
+             "kept": kept},
             out / "result.pt",
         )  # fmt: skip
     dist.destroy_process_group()

@@ -156,3 +156,17 @@ def test_every_shipped_config_file_parses() -> None:
             continue
         data.setdefault("recipe", load_recipe("fp8-e2e"))
         assert parse_run_config(data, str(path)) is not None
+
+
+def test_compiled_elementwise_with_activation_checkpointing_is_refused() -> None:
+    """The combination failed in the backward on two H200s (the recompute saved other tensors): refused up front,
+    by the config and by the trainer, naming both options."""
+    from fp8rl.config import OptimConfig
+    from fp8rl.train.trainer import TorchTrainer, TrainerOptions
+
+    with pytest.raises(ValueError, match="compile_elementwise.*activation_checkpointing"):
+        OptimConfig(compile_elementwise=True, activation_checkpointing=True)
+    assert OptimConfig(compile_elementwise=True).compile_elementwise
+    opts = TrainerOptions(precision="bf16", compile_elementwise=True, activation_checkpointing=True)
+    with pytest.raises(ValueError, match="compile_elementwise.*activation_checkpointing"):
+        TorchTrainer("unused: refused before loading", opts)
