@@ -133,25 +133,60 @@ def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: s
 
 def run_step_bench(
     model_dir: str | Path, bench: StepBench, base: dict[str, Any], work_dir: str,
-    log: Callable[[str], None] = print, isolate: bool = False,
+    log: Callable[[str], None] = print, isolate: bool = False, parts_dir: Path | None = None, resume: bool = False,
 ) -> list[ThroughputResult]:  # fmt: skip
     """Each recipe's timed steps, one after another; ``isolate`` runs each in a process of its own (vLLM 0.26
-    cannot start a second engine in a process whose first one it closed: its CUDA-graph memory pool asserts)."""
+    cannot start a second engine in a process whose first one it closed: its CUDA-graph memory pool asserts).
+
+    ``parts_dir``: each recipe's result is written there as soon as it is measured (``NN-name.json``, with what it
+    was measured with), so a run cut short keeps what it measured; ``resume`` reads back the recipes measured
+    there with the same settings instead of running them again (other settings: an error naming the file)."""
     results = []
     for i, recipe in enumerate(bench.recipes, start=1):
         cfg = step_config(base, recipe, bench, work_dir)
+        part = parts_dir / f"{i:02d}-{cfg.recipe.name}.json" if parts_dir is not None else None
+        key = _part_key(cfg, model_dir, bench)
+        if resume and part is not None and part.is_file():
+            results.append(_read_part(part, key))
+            log(f"bench step: recipe {i}/{len(bench.recipes)} {recipe}: measured before, read from {part}")
+            continue
         log(f"bench step: recipe {i}/{len(bench.recipes)} {recipe}" + (" (own process)" if isolate else ""))
         if isolate:
-            results.append(_in_subprocess(cfg, model_dir, bench, log))
-            continue
-        results.append(
-            benchmark_recipe(
+            result = _in_subprocess(cfg, model_dir, bench, log)
+        else:
+            result = benchmark_recipe(
                 cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log, verify_sync=bench.verify_sync
             )
-        )
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if part is not None:
+            part.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(part, json.dumps({"key": key, "result": result.to_dict()}, indent=1))
+        results.append(result)
     return results
+
+
+def _part_key(cfg: RunConfig, model_dir: str | Path, bench: StepBench) -> dict[str, Any]:
+    """What a recipe's result depends on: its run config, the model, the steps and the device."""
+    return {
+        "config": cfg.model_dump(mode="json"), "model": str(model_dir), "steps": bench.steps,
+        "warmup": bench.warmup, "device": bench.device, "verify_sync": bench.verify_sync,
+    }  # fmt: skip
+
+
+def _read_part(path: Path, key: dict[str, Any]) -> ThroughputResult:
+    try:
+        data = json.loads(path.read_text())
+        stored, result = data["key"], ThroughputResult(**data["result"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--resume: {path} is not a bench step result ({e}); remove it to measure again") from e
+    if stored != key:
+        fields = sorted(k for k in key if stored.get(k) != key[k])
+        raise UserError(
+            f"--resume: {path} was measured with other settings ({', '.join(fields)} differ); "
+            "remove it, or run without --resume to measure again"
+        )
+    return result
 
 
 def _in_subprocess(

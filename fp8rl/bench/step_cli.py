@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",
     )  # fmt: skip
     p.add_argument(
+        "--resume", action="store_true",
+        help="read back the recipes already measured in OUT/recipes with the same settings instead of running them",
+    )  # fmt: skip
+    p.add_argument(
         "--one-process", action="store_true",
         help="run every recipe in this process (default: one process per recipe; vLLM starts once per process)",
     )  # fmt: skip
@@ -81,9 +85,10 @@ def main_with_args(args: argparse.Namespace) -> int:
     else:
         model = Path(args.model)
     isolate = not args.one_process and len(bench.recipes) > 1
-    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate)
-    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray")))
     out = Path(args.out or Path(work) / "bench-step")
+    results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate,
+                             parts_dir=out / "recipes", resume=args.resume)  # fmt: skip
+    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray")))
     files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
     print(table)
     print("wrote " + ", ".join(str(f) for f in files))

@@ -39,6 +39,7 @@ from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 from fp8rl.train.step_memory import StepMemory
+from fp8rl.train.token_logprobs import token_logprobs
 
 SHARDINGS = ("replicate", "fsdp")
 
@@ -354,10 +355,9 @@ class TorchTrainer:
         with self.graphs.active() if self.graphs is not None else nullcontext():
             logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
         tb = ids.shape[1] - b.prompt_width
-        pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :].float()
-        if temperature > 0:
-            pred.div_(temperature)  # in place: one [n, t, vocab] fp32 copy fewer (the cast keeps no input)
-        lp = pred.log_softmax(-1).gather(-1, ids[:, b.prompt_width :, None]).squeeze(-1)
+        pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :]
+        # chunked: no fp32 copy of the whole [n, t, vocab] logits (fp8rl.train.token_logprobs)
+        lp = token_logprobs(pred, ids[:, b.prompt_width :], temperature)
         lp = (lp * b.response_mask.to(self.device))[:n, :t]
         return torch.nn.functional.pad(lp, (0, full_t - t)) if t < full_t else lp
 

@@ -320,3 +320,36 @@ def test_set_overrides_any_run_config_field_after_the_config_and_flags(tmp_path:
                          ("steps.x=1", "steps is 5, not a section"), ("optim.lr=[1", "not valid YAML")]:  # fmt: skip
         with pytest.raises(UserError, match=message):
             apply_overrides({"steps": 5}, [bad])
+
+
+def test_bench_step_writes_each_recipe_as_measured_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A recipe's result is on disk as soon as it is measured (OUT/recipes/NN-name.json); ``--resume`` reads back
+    the recipes measured with the same settings and runs only the rest; other settings are an error naming the
+    file (exit 2), and nothing is read back without ``--resume``."""
+    import json
+
+    from fp8rl.cli import main
+
+    work = tmp_path / "work"
+    common = ["bench", "step", "--shape", "tiny", "--prompts", "2", "--samples", "2", "--steps", "1", "--warmup",
+              "0", "--device", "cpu", "--work-dir", str(work), "--no-mlflow", "--one-process"]  # fmt: skip
+    assert main([*common, "--recipes", "bf16", "--max-tokens", "6"]) == 0
+    part = work / "bench-step" / "recipes" / "01-bf16.json"
+    first = json.loads(part.read_text())["result"]
+    assert first["recipe"] == "bf16" and first["response_tokens"] == 6
+    capsys.readouterr()
+    assert main([*common, "--recipes", "bf16,fp8-e2e", "--max-tokens", "6", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"recipe 1/2 bf16: measured before, read from {part}" in out and "recipe 2/2 fp8-e2e" in out
+    doc = json.loads((work / "bench-step" / "bench_step.json").read_text())
+    by = {r["recipe"]: r for r in doc["results"]}
+    assert by["bf16"]["step_s"] == first["step_s"]  # read back, not measured again
+    assert (work / "bench-step" / "recipes" / "02-fp8-e2e.json").is_file()
+    # other settings: refused, naming the file and what differs
+    assert main([*common, "--recipes", "bf16", "--max-tokens", "7", "--resume"]) == 2
+    assert f"--resume: {part} was measured with other settings (config differ)" in capsys.readouterr().err
+    # without --resume the recipe is measured again and its file replaced
+    assert main([*common, "--recipes", "bf16", "--max-tokens", "7"]) == 0
+    assert json.loads(part.read_text())["result"]["response_tokens"] == 7
