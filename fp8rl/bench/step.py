@@ -145,7 +145,7 @@ def run_step_bench(
     for i, recipe in enumerate(bench.recipes, start=1):
         cfg = step_config(base, recipe, bench, work_dir)
         part = parts_dir / f"{i:02d}-{cfg.recipe.name}.json" if parts_dir is not None else None
-        key = _part_key(cfg, model_dir, bench)
+        key = _part_key(cfg, model_dir, bench) if part is not None else {}
         if resume and part is not None and part.is_file():
             results.append(_read_part(part, key))
             log(f"bench step: recipe {i}/{len(bench.recipes)} {recipe}: measured before, read from {part}")

@@ -29,9 +29,13 @@ def _chunks(n: int, t: int, tokens: int) -> Iterator[tuple[int, int, int]]:
             yield i, s, min(t, s + tokens)
 
 
+def _divides(temperature: float) -> bool:
+    return temperature > 0 and temperature != 1.0  # none, or dividing by 1: the same values
+
+
 def _scaled(block: torch.Tensor, temperature: float) -> torch.Tensor:
     z = block.to(torch.float32, copy=True)  # a copy also of fp32 logits: the backward reads them again
-    if temperature > 0 and temperature != 1.0:
+    if _divides(temperature):
         z.div_(temperature)
     return z
 
@@ -53,13 +57,12 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, targets = ctx.saved_tensors
         n, t, _v = logits.shape
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        divide = ctx.temperature > 0 and ctx.temperature != 1.0
         for i, s, e in _chunks(n, t, ctx.tokens):
             g = grad_out[i, s:e, None].float()
             # exp(log_softmax), as autograd's log-softmax backward has it: the same gradient bits
             z = _scaled(logits[i, s:e], ctx.temperature).log_softmax(-1).exp_().mul_(-g)
             z.scatter_add_(-1, targets[i, s:e, None], g)
-            if divide:
+            if _divides(ctx.temperature):
                 z.div_(ctx.temperature)
             grad[i, s:e] = z
         return grad, None, None, None

@@ -34,6 +34,9 @@ from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossInput, policy_loss
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
+from fp8rl.train.batches import MicroBatcher, SequenceBatch
+from fp8rl.train.batches import build_batch as build_batch  # re-exported: the trainer's callers build batches
+from fp8rl.train.batches import policy_batch_totals as policy_batch_totals
 from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.graphs import LayerGraphs
@@ -72,64 +75,6 @@ class TrainerOptions:
     cuda_graph_shapes: int = 2  # captured shapes kept (each holds one micro-batch's activations and gradients)
 
 
-@dataclass
-class SequenceBatch:
-    """Prompts (left-padded) followed by responses: ``input_ids [N, P+T]``, ``attention_mask [N, P+T]``,
-    ``position_ids [N, P+T]``; the response tokens are ``input_ids[:, P:]`` with ``response_mask [N, T]``."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    response_mask: torch.Tensor
-    prompt_width: int
-
-    def slice(self, s: slice) -> SequenceBatch:
-        return SequenceBatch(
-            self.input_ids[s], self.attention_mask[s], self.position_ids[s], self.response_mask[s], self.prompt_width
-        )
-
-    def extents(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: prompt tokens (left of ``prompt_width``) and response columns up to its last valid token."""
-        p = self.prompt_width
-        prompt = self.attention_mask[:, :p].sum(-1)
-        cols = torch.arange(1, self.response_mask.shape[1] + 1)
-        response = (self.response_mask.bool() * cols).amax(-1) if self.response_mask.numel() else prompt * 0
-        return prompt, response
-
-    def trimmed(self) -> SequenceBatch:
-        """The same rows without the columns that are padding in every row (left of the longest prompt, right
-        of the longest response; at least one response column): what a micro-batch's forward computes."""
-        prompt, response = self.extents()
-        left = self.prompt_width - int(prompt.max()) if len(prompt) else 0
-        right = self.prompt_width + max(int(response.max()) if len(response) else 0, 1)
-        cols = slice(left, right)
-        return SequenceBatch(
-            self.input_ids[:, cols], self.attention_mask[:, cols], self.position_ids[:, cols],
-            self.response_mask[:, : right - self.prompt_width], self.prompt_width - left,
-        )  # fmt: skip
-
-
-def build_batch(
-    prompt_ids: list[list[int]], response_ids: torch.Tensor, response_mask: torch.Tensor, pad_id: int
-) -> SequenceBatch:
-    n, t = response_ids.shape
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((n, width + t), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width + t), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):
-        ids[i, width - len(p) : width] = torch.tensor(p)
-        attn[i, width - len(p) : width] = 1
-    ids[:, width:] = response_ids.cpu()
-    attn[:, width:] = response_mask.cpu().long()
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    return SequenceBatch(ids, attn, positions, response_mask.cpu().float(), width)
-
-
-def policy_batch_totals(loss_mask: torch.Tensor) -> tuple[float, float]:
-    """(valid tokens, valid sequences) of a policy batch: the denominators of its loss aggregation."""
-    return float(loss_mask.sum().clamp(min=1)), float((loss_mask.sum(-1) > 0).sum().clamp(min=1))
-
-
 class TorchTrainer:
     def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
         if opts.precision not in ("bf16", "fp8"):
@@ -150,8 +95,6 @@ class TorchTrainer:
         self.opts = opts
         self.fp8_modules: list[str] = self._convert_linears()
         self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
-        # with CUDA graphs, micro-batches are padded to shape buckets: widths in steps of this many columns
-        self.bucket_width_step: int | None = opts.cuda_graph_width if opts.cuda_graphs else None
         self.graphs = self._layer_graphs() if opts.cuda_graphs else None
         if opts.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -172,6 +115,11 @@ class TorchTrainer:
             self.optimizer.optimizer, lr_lambda(opts.warmup_steps, opts.total_steps, opts.schedule)
         )
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
+        # with CUDA graphs, micro-batches are padded to shape buckets: widths in steps of cuda_graph_width columns
+        self.micro = MicroBatcher(
+            opts.micro_batch_size, opts.micro_batch_tokens, opts.cuda_graph_width if opts.cuda_graphs else None,
+            self.pad_token_id, self.sharded, self.device,
+        )  # fmt: skip
         self.step_count = 0
         self._tokens = [0.0, 0.0]  # (computed, valid) tokens of the current policy step's forwards
 
@@ -227,7 +175,8 @@ class TorchTrainer:
         if self.graphs is None:
             self._weights_changed()
         grad_norm = self.optimizer.step(self.opts.grad_clip)
-        self._weights_changed()
+        if self.graphs is not None:
+            self._weights_changed()
         return grad_norm
 
     def _weights_changed(self) -> None:
@@ -240,76 +189,10 @@ class TorchTrainer:
                 else:
                     m.weights_changed()
 
-    def _bucket_width(self, width: int) -> int:
-        """A micro-batch's padded width: with CUDA graphs rounded up to ``cuda_graph_width`` columns."""
-        step = self.bucket_width_step
-        return width if step is None else -(-width // step) * step
-
-    def _bucket_rows(self, width: int) -> int:
-        """With CUDA graphs, the rows of every micro-batch of this padded width."""
-        budget = self.opts.micro_batch_tokens
-        return max(1, budget // width) if budget is not None else self.opts.micro_batch_size
-
-    def _bucketed(self, b: SequenceBatch) -> SequenceBatch:
-        """``b`` (trimmed) padded to its CUDA-graph shape: columns of padding on the right (outside the
-        attention mask and the loss), rows of padding below (attending to themselves, outside the loss)."""
-        n, width = b.input_ids.shape
-        wb = self._bucket_width(width)
-        rows = max(n, self._bucket_rows(wb))
-        if (rows, wb) == (n, width):
-            return b
-        ids = torch.full((rows, wb), self.pad_token_id, dtype=b.input_ids.dtype)
-        attn = torch.ones((rows, wb), dtype=b.attention_mask.dtype)
-        pos = torch.arange(wb, dtype=b.position_ids.dtype).repeat(rows, 1)
-        resp = torch.zeros((rows, wb - b.prompt_width), dtype=b.response_mask.dtype)
-        ids[:n, :width] = b.input_ids
-        attn[:n, width:] = 0
-        attn[:n, :width] = b.attention_mask
-        pos[:n, :width] = b.position_ids
-        pos[:n, width:] = b.position_ids[:, width - 1 :]  # the last position, as right padding has
-        resp[:n, : b.response_mask.shape[1]] = b.response_mask
-        return SequenceBatch(ids, attn, pos, resp, b.prompt_width)
-
-    def _micro_batches(self, batch: SequenceBatch) -> list[slice]:
-        """This rank's micro-batches: ``micro_batch_size`` rows, or with ``micro_batch_tokens`` as many consecutive
-        rows as fit that many padded tokens (at least one row).  Sharded, every rank runs as many (the
-        collectives pair up), padding with empty ones that run a one-row forward (and backward) that counts for
-        nothing."""
-        n = batch.input_ids.shape[0]
-        budget = self.opts.micro_batch_tokens
-        if budget is None:
-            slices = [slice(s, s + self.opts.micro_batch_size) for s in range(0, n, self.opts.micro_batch_size)]
-        else:
-            prompt, response = batch.extents()
-            slices, start, width_p, width_r = [], 0, 0, 0
-            for i in range(n):
-                wp, wr = max(width_p, int(prompt[i])), max(width_r, int(response[i]), 1)
-                if i > start and (i - start + 1) * self._bucket_width(wp + wr) > budget:
-                    slices.append(slice(start, i))
-                    start, wp, wr = i, int(prompt[i]), max(int(response[i]), 1)
-                width_p, width_r = wp, wr
-            if n:
-                slices.append(slice(start, n))
-        count = len(slices)
-        if self.sharded:
-            import torch.distributed as dist
-
-            most = torch.tensor([count], device=self.device if self.device.type == "cuda" else "cpu")
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            slices += [slice(0, 0)] * (int(most.item()) - count)
-        return slices
-
-    def _padding_batch(self, like: SequenceBatch) -> SequenceBatch:
-        """One row of padding with one response token: a forward that every rank can run."""
-        w = like.prompt_width
-        ids = torch.full((1, w + 1), self.pad_token_id, dtype=torch.long)
-        attn = torch.ones_like(ids)
-        return SequenceBatch(ids, attn, (attn.cumsum(-1) - 1), torch.zeros(1, 1), w)
-
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:
-        """A forward of ``_padding_batch``: every token it computes is waste (counted computed, not valid)."""
+        """A forward of ``MicroBatcher.padding_batch``: every token it computes is waste (counted computed, not valid)."""
         valid = self._tokens[1]
-        lp = self._response_logprobs(self._padding_batch(like), temperature)
+        lp = self._response_logprobs(self.micro.padding_batch(like), temperature)
         self._tokens[1] = valid
         return lp
 
@@ -348,8 +231,7 @@ class TorchTrainer:
         b = batch.trimmed()
         n, t = b.input_ids.shape[0], b.response_mask.shape[1]
         self._tokens[1] += float(b.attention_mask.sum())
-        if self.bucket_width_step is not None:
-            b = self._bucketed(b)
+        b = self.micro.bucketed(b)
         self._tokens[0] += float(b.input_ids.numel())
         ids = b.input_ids.to(self.device)
         with self.graphs.active() if self.graphs is not None else nullcontext():
@@ -365,7 +247,7 @@ class TorchTrainer:
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         t = batch.response_mask.shape[1]
         out = [torch.zeros(0, t)]
-        for sl in self._micro_batches(batch):
+        for sl in self.micro.slices(batch):
             if sl.stop == 0:  # a sharded rank with fewer micro-batches: its part of the collectives only
                 self._padding_pass(batch, temperature)
                 continue
@@ -421,7 +303,7 @@ class TorchTrainer:
         loss_total = 0.0
         self._tokens = [0.0, 0.0]
         self.step_memory.start()
-        for sl in self._micro_batches(batch):
+        for sl in self.micro.slices(batch):
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
                 if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
@@ -469,7 +351,7 @@ class TorchTrainer:
             dist.all_reduce(count)
         total = float(count.clamp(min=1))
         loss_total = 0.0
-        for sl in self._micro_batches(batch):
+        for sl in self.micro.slices(batch):
             lp = self._response_logprobs(batch.slice(sl), 1.0) if sl.stop else self._padding_pass(batch, 1.0)
             loss = -(lp.sum()) / total
             loss.backward()

@@ -1,6 +1,6 @@
 """``optim.cuda_graphs`` on a GPU: the decoder layers captured and replayed by the torch trainer.
 
-The graphed trainer against the eager one padding its micro-batches to the same shapes (``bucket_width_step``),
+The graphed trainer against the eager one padding its micro-batches to the same shapes (``MicroBatcher.width_step``),
 from the same weights: logprobs, losses, gradient norms and the weights after several policy steps, for BF16
 and FP8 (the tiny model has whole 128-tiles, so FP8 takes the fused Hopper path whose cached weight operands
 the graphs read and the optimizer step requantizes in place); each shape is captured once, replayed after,
@@ -10,6 +10,7 @@ and the least recently used shape is dropped when a new one needs room.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def _trainers(model: Path, precision: str, **kw):
         pytest.skip("FP8 needs sm_89+")
     base = {"precision": precision, "lr": 1e-2, "micro_batch_size": 4, **kw}
     eager = TorchTrainer(model, TrainerOptions(**base), device="cuda")
-    eager.bucket_width_step = 16  # the graphed trainer's padding, without its graphs
+    eager.micro = replace(eager.micro, width_step=16)  # the graphed trainer's padding, without its graphs
     graphed = TorchTrainer(model, TrainerOptions(**base, cuda_graphs=True, cuda_graph_width=16), device="cuda")
     return eager, graphed
 

@@ -1,12 +1,13 @@
 """``optim.cuda_graphs`` on the CPU: what the option needs, and the micro-batch shape buckets it pads to.
 
 The graphs themselves need a GPU (``tests/gpu/test_cuda_graphs_trainer.py``); the padding and the micro-batch
-cut are plain tensor code, so here the bucketing is switched on by itself (``bucket_width_step``) and the
-padded forwards are compared with the unpadded ones on a real (tiny) Llama.
+cut are plain tensor code, so here the bucketing is switched on by itself (the trainer's
+``MicroBatcher.width_step``) and the padded forwards are compared with the unpadded ones on a real (tiny) Llama.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,14 +59,14 @@ def test_bucketed_micro_batches_give_the_unpadded_logprobs_and_loss(tiny_models:
     opts = TrainerOptions(lr=1e-3, micro_batch_size=3, micro_batch_tokens=budget)
     plain = TorchTrainer(tiny_models["tiny"], opts, device="cpu")
     padded = TorchTrainer(tiny_models["tiny"], opts, device="cpu")
-    padded.bucket_width_step = 8  # what cuda_graph_width does, without the graphs (they need a GPU)
+    padded.micro = replace(padded.micro, width_step=8)  # what cuda_graph_width does, without the graphs (GPU only)
 
-    slices = padded._micro_batches(batch)
+    slices = padded.micro.slices(batch)
     assert sum(len(range(len(mask))[s]) for s in slices) == len(mask)
     for sl in slices:
         b = batch.slice(sl).trimmed()
         width = b.input_ids.shape[1]
-        bucketed = padded._bucketed(b)
+        bucketed = padded.micro.bucketed(b)
         rows, wb = bucketed.input_ids.shape
         assert wb % 8 == 0 and width <= wb < width + 8
         if budget is not None:

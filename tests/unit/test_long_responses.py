@@ -41,7 +41,7 @@ def test_trimmed_micro_batches_compute_what_the_padded_batch_computes(tiny_model
     prompt, response = batch.extents()
     assert trimmed.prompt_width == int(prompt.max()) and trimmed.response_mask.shape[1] == int(response.max())
     trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(micro_batch_tokens=120))
-    slices = trainer._micro_batches(batch)
+    slices = trainer.micro.slices(batch)
     assert slices[0].start == 0 and slices[-1].stop == 12
     assert all(a.stop == b.start for a, b in itertools.pairwise(slices))
     for s in slices:  # each within the budget, or a single row that alone exceeds it
