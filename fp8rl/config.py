@@ -149,10 +149,13 @@ class SamplingConfig(_Strict):
 
 
 # seen on two H200s (docs/benchmarks.md, 2026-11-25): the backward's recompute of a checkpointed layer ran the
-# norms eagerly and saved other tensors than the compiled forward had, and torch.utils.checkpoint stopped the step
+# norms eagerly and saved other tensors than the compiled forward had, and torch.utils.checkpoint stopped the step.
+# The compiled parts are now autograd.Functions that save only what they name (fp8rl.train.compiled), which passes
+# under checkpointing on the CPU; the config keeps refusing the combination until it has run on a GPU
+# (tests/gpu/test_compiled_trainer_cuda.py, the "recomputed" cases; TrainerOptions accepts it for that test).
 COMPILE_WITH_CHECKPOINTING = (
-    "optim.compile_elementwise cannot be combined with optim.activation_checkpointing: on CUDA the recomputed "
-    "layers save other tensors than the compiled forward did and the backward fails; turn one of them off"
+    "optim.compile_elementwise cannot yet be combined with optim.activation_checkpointing: it failed in the "
+    "backward on CUDA, and the fix has not run on a GPU yet; turn one of them off"
 )
 
 

@@ -9,6 +9,11 @@
             compute_logprobs + policy_step over 16 prompts x 8 samples x (128 + 1,024) tokens in micro-batches of
             4,096 padded tokens, BF16 vs FP8, eager vs ``optim.cuda_graphs``; what ``fp8rl bench step``'s
             logprob + train phases run, without the rollout.
+  rlprofile the RL train phase as the 8B bench step runs it, without Ray or vLLM: Llama-3.1-8B width and vocabulary
+            cut to --rl-layers layers, --rl-rows x (128 + --rl-response) tokens in micro-batches of --rl-mbt padded
+            tokens, activation checkpointing (--compile-elementwise adds the compiled elementwise parts); wall time
+            of compute_logprobs and policy_step, and one policy_step's device time by kernel category, BF16 vs FP8.
+            Under ``torchrun --nproc-per-node N``: FSDP2 over the N GPUs (NCCL), each rank its share of the rows.
   requant   requantize_for_rollout + packing into sync buckets of a Llama-3.1-8B-shaped model (random bf16
             weights on the GPU): fused kernels vs the torch reference, with bytes moved / time vs the copy
             bandwidth measured in the same run.
@@ -152,6 +157,7 @@ CATEGORIES = [  # (category, substrings of the kernel name, lowercase); first ma
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
     ("fp8 quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("nccl", ("nccl",)),
 ]
 
 
@@ -194,6 +200,109 @@ def section_profile(a: argparse.Namespace) -> dict[str, Any]:
         )
         del trainer
         torch.cuda.empty_cache()
+    return out
+
+
+def llama8b_stack(layers: int) -> Any:
+    """Llama-3.1-8B's shape cut to ``layers`` decoder layers, with its 128,256-token vocabulary (random, bf16, GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=LLAMA8B["vocab"], hidden_size=LLAMA8B["hidden"], intermediate_size=LLAMA8B["inter"],
+                      num_hidden_layers=layers, num_attention_heads=LLAMA8B["heads"],
+                      num_key_value_heads=LLAMA8B["kv"], head_dim=128, max_position_embeddings=4096,
+                      tie_word_embeddings=False, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+
+def categorize(prof: Any, top: list[tuple[str, str, float]] | None = None) -> dict[str, float]:
+    """Device ms by kernel category; ``top`` (if given) gets every kernel as (category, name, ms)."""
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        ms = e.self_device_time_total / 1e3
+        if ms <= 0:
+            continue
+        name = e.key.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        totals[cat] = totals.get(cat, 0.0) + ms
+        if top is not None:
+            top.append((cat, e.key[:100], ms))
+    return totals
+
+
+def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
+    """The RL train phase as the 8B bench step runs it, on one GPU: Llama-8B width and vocabulary, --rl-layers
+    layers, --rl-rows x (128 + --rl-response) tokens in micro-batches of --rl-mbt padded tokens, activation
+    checkpointing; wall time of compute_logprobs and policy_step, and policy_step's device time by kernel category
+    (one step under the CUDA profiler), BF16 vs FP8: where the train phase's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp8rl.config import GRPOConfig
+    from fp8rl.train.trainer import TrainerOptions, build_batch
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = "cuda"
+    if world > 1:  # under torchrun: FSDP2 over the ranks (NCCL), each rank its share of the rows
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl")
+        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(device)
+    rows, prompt, response = a.rl_rows // world, 128, a.rl_response
+    g = torch.Generator().manual_seed(rank)
+    prompts = [torch.randint(1, 128000, (prompt,), generator=g).tolist() for _ in range(rows)]
+    batch = build_batch(prompts, torch.randint(1, 128000, (rows, response), generator=g), torch.ones(rows, response), 0)
+    adv, mask = torch.randn(rows, generator=g), torch.ones(rows, response)
+    out: dict[str, Any] = {"rows_per_rank": rows, "ranks": world, "prompt": prompt, "response": response,
+                           "layers": a.rl_layers, "micro_batch_tokens": a.rl_mbt,
+                           "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
+    for precision in ("bf16", "fp8"):
+        torch.cuda.reset_peak_memory_stats()
+        o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
+                           sharding="fsdp" if world > 1 else "replicate",
+                           compile_elementwise=a.compile_elementwise)  # fmt: skip
+        trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
+        times = []
+        for i in range(a.warmup + a.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            old = trainer.compute_logprobs(batch, 1.0)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+            torch.cuda.synchronize()
+            if i >= a.warmup:
+                times.append((t1 - t0, time.perf_counter() - t1))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof_lp:
+            trainer.compute_logprobs(batch, 1.0)
+            torch.cuda.synchronize()
+        r = {"logprob_s": statistics.median(t[0] for t in times), "train_s": statistics.median(t[1] for t in times),
+             "step_times_s": times, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+             "logprob_device_ms_by_category": categorize(prof_lp)}  # fmt: skip
+        kernels: list[tuple[str, str, float]] = []
+        r["train_device_ms_by_category"] = categorize(prof, kernels)
+        r["train_top_kernels"] = sorted(kernels, key=lambda t: -t[2])[:25]
+        for cat, name, ms in r["train_top_kernels"][:14]:
+            say(f"[rlprofile] {precision} {cat:>12} {ms:8.1f} ms  {name}")
+        r["train_device_ms_total"] = sum(r["train_device_ms_by_category"].values())
+        r["logprob_device_ms_total"] = sum(r["logprob_device_ms_by_category"].values())
+        out[precision] = r
+        say(f"[rlprofile] {precision}: logprob {r['logprob_s']:.2f} s, train {r['train_s']:.2f} s "
+            f"(device {r['train_device_ms_total']:.0f} ms: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["train_device_ms_by_category"].items(), key=lambda t: -t[1]))
+            + f"), peak {r['peak_mem_gb']:.1f} GB")  # fmt: skip
+        del trainer
+        torch.cuda.empty_cache()
+    for k in ("logprob_s", "train_s"):
+        out[f"fp8_vs_bf16_{k}"] = out["bf16"][k] / out["fp8"][k]
+    say(
+        f"[rlprofile] fp8 vs bf16: logprob {out['fp8_vs_bf16_logprob_s']:.2f}x, train {out['fp8_vs_bf16_train_s']:.2f}x"
+    )
     return out
 
 
@@ -284,6 +393,8 @@ def main() -> None:
     p.add_argument("--graph-width", type=int, default=128, help="rl section: optim.cuda_graph_width")
     p.add_argument("--rl-rows", type=int, default=128, help="rl section: sequences (prompts x samples)")
     p.add_argument("--rl-response", type=int, default=1024, help="rl section: response tokens")
+    p.add_argument("--rl-layers", type=int, default=8, help="rlprofile section: decoder layers at Llama-8B width")
+    p.add_argument("--rl-mbt", type=int, default=16384, help="rlprofile section: micro-batch padded tokens")
     p.add_argument("--json", default="fp8_speed.json", help="file name under $OUT")
     a = p.parse_args()
     if a.colwise_config:
@@ -291,7 +402,8 @@ def main() -> None:
 
         size, warps, mode = a.colwise_config.split(",")
         kernels.GROUPS_COLWISE_CONFIG = (int(size), int(warps), mode)
-    out = Path(os.environ.get("OUT", ".")) / a.json
+    rank = int(os.environ.get("RANK", "0"))  # rlprofile under torchrun: a JSON per rank
+    out = Path(os.environ.get("OUT", ".")) / (a.json if rank == 0 else f"rank{rank}-{a.json}")
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "colwise_config": a.colwise_config,
                               "compile_elementwise": a.compile_elementwise, "cuda_graphs": a.cuda_graphs,
@@ -301,6 +413,7 @@ def main() -> None:
         "requant": lambda: section_requant(a),
         "profile": lambda: section_profile(a),
         "rl": lambda: section_rl(a),
+        "rlprofile": lambda: section_rlprofile(a),
     }
     for name in a.sections.split(","):
         run_section(report, name, fns[name], out, say)

@@ -4,9 +4,14 @@ Once the FP8 GEMMs are fast, a decoder layer's step is bounded by what is not a 
 five kernels forward (upcast, square-mean, rsqrt-multiply, downcast, weight multiply) and more backward,
 and the MLP's ``silu(gate) * up`` two passes over the widest activation; on an H100 these "other" kernels
 were ~64 ms of a ~200 ms step of four Llama-3-8B-width layers in either precision (docs/benchmarks.md).
-Here each becomes one ``torch.compile`` (Inductor/Triton) kernel forward and few backward, for BF16 and FP8
+Here each becomes a ``torch.autograd.Function`` whose forward and backward are ``torch.compile``d
+(Inductor/Triton) functions without autograd of their own, one kernel or a few each way, for BF16 and FP8
 alike: the same math, fused, so results differ from eager only by rounding (Inductor keeps the
-intermediate in float32 where eager rounds the SiLU output to bf16).
+intermediate in float32 where eager rounds the SiLU output to bf16).  The Function saves what it names
+(the input, the weight and the fp32 reciprocal RMS; the gate and up projections) and nothing else, so a
+layer under activation checkpointing saves the same tensors in its recompute as in its forward: the
+earlier version compiled the forward with autograd inside and, on two H200s, its recompute fell back to
+eager modules that saved other tensors, and ``torch.utils.checkpoint`` stopped the backward.
 
 Only modules whose forward is known to be exactly this math are patched (an allow-list of HF classes:
 Llama, Qwen2/3, Mistral), each by an instance-level ``forward`` that calls one shared compiled function,
@@ -27,32 +32,86 @@ NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Mistr
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's ``LlamaRMSNorm.forward``, op for op."""
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``LlamaRMSNorm.forward``, op for op; also the fp32 reciprocal RMS the backward reads."""
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h * rstd).to(x.dtype), rstd
 
 
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _rms_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients autograd takes through ``_rms_norm_fwd``: the normalized input rounded as the forward
+    rounds it, the weight's gradient summed over every row in fp32."""
+    h = x.to(torch.float32)
+    n = (h * rstd).to(x.dtype)
+    dn = (dy * weight).to(torch.float32)
+    dw = (dy.to(torch.float32) * n.to(torch.float32)).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+    dx = rstd * dn - h * rstd.pow(3) * (dn * h).mean(-1, keepdim=True)
+    return dx.to(x.dtype), dw
+
+
+def _silu_mul_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
+
+
+def _silu_mul_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u, d = gate.to(torch.float32), up.to(torch.float32), dy.to(torch.float32)
+    s = torch.sigmoid(g)
+    dgate = d * u * s * (1.0 + g * (1.0 - s))
+    return dgate.to(gate.dtype), (d * g * s).to(up.dtype)
 
 
 @cache
 def _compiled(name: str) -> Any:
-    fns: dict[str, Callable[..., torch.Tensor]] = {"rms_norm": _rms_norm, "silu_mul": _silu_mul}
+    fns: dict[str, Callable[..., Any]] = {
+        "rms_norm_fwd": _rms_norm_fwd,
+        "rms_norm_bwd": _rms_norm_bwd,
+        "silu_mul_fwd": _silu_mul_fwd,
+        "silu_mul_bwd": _silu_mul_bwd,
+    }
     return torch.compile(fns[name], dynamic=None)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """Compiled forward and backward with the saved tensors named here (input, weight, fp32 reciprocal RMS):
+    what a checkpointed layer's recompute saves is then the same whether Dynamo compiles or falls back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, rstd = _compiled("rms_norm_fwd")(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _compiled("rms_norm_bwd")(dy.contiguous(), x, weight, rstd)
+        return dx, dw, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return _compiled("silu_mul_fwd")(gate, up)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return _compiled("silu_mul_bwd")(dy.contiguous(), gate, up)
+
+
 def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return _compiled("rms_norm")(hidden_states, self.weight, self.variance_epsilon)
+    return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     down: Any = self.down_proj
     gate: Any = self.gate_proj
     up: Any = self.up_proj
-    return down(_compiled("silu_mul")(gate(x), up(x)))
+    return down(_SiluMul.apply(gate(x), up(x)))
 
 
 SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' (ACT2FN["silu"])

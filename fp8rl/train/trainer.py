@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fp8rl.atomic import atomic_directory
-from fp8rl.config import COMPILE_WITH_CHECKPOINTING, GRPOConfig
+from fp8rl.config import GRPOConfig
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.models.tiny import pin_tokenizer_class
@@ -81,8 +81,6 @@ class TorchTrainer:
             raise ValueError(f"trainer precision must be 'bf16' or 'fp8', got {opts.precision!r}")
         if opts.sharding not in SHARDINGS:
             raise ValueError(f"trainer sharding must be one of {SHARDINGS}, got {opts.sharding!r}")
-        if opts.compile_elementwise and opts.activation_checkpointing:
-            raise ValueError(COMPILE_WITH_CHECKPOINTING)
         self.sharded = opts.sharding == "fsdp"
         # sharded: loaded on the CPU; fully_shard moves each rank's shard (only) to the device
         load_on = "cpu" if self.sharded else device

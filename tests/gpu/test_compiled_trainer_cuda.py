@@ -2,7 +2,9 @@
 
 The same policy steps as the eager trainer (tiny model with whole 128-tiles, so FP8 takes the fused Hopper
 path), losses and gradient norms within rounding; the CPU test (``tests/unit/test_compiled_elementwise.py``)
-checks the patched modules and the numerics on Inductor's CPU backend.
+checks the patched modules and the numerics on Inductor's CPU backend.  With activation checkpointing too:
+the combination failed on CUDA before the compiled parts became autograd.Functions (the recompute saved other
+tensors than the forward, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_compiled_trainer_matches_the_eager_one_on_cuda(tiny_models: dict[str, Path], precision: str) -> None:
+def test_compiled_trainer_matches_the_eager_one_on_cuda(
+    tiny_models: dict[str, Path], precision: str, checkpointing: bool
+) -> None:
     from sharded_trainer_worker import fixed_batch
 
     from fp8rl.config import GRPOConfig
@@ -34,7 +39,8 @@ def test_compiled_trainer_matches_the_eager_one_on_cuda(tiny_models: dict[str, P
     batch, adv, old, mask = fixed_batch()
     runs = []
     for compiled in (False, True):
-        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, compile_elementwise=compiled)
+        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, compile_elementwise=compiled,
+                              activation_checkpointing=checkpointing)  # fmt: skip
         trainer = TorchTrainer(tiny_models["small"], opts, device="cuda")
         assert bool(trainer.compiled_modules) == compiled
         runs.append([trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(3)])

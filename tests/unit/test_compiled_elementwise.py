@@ -1,8 +1,9 @@
 """``optim.compile_elementwise``: the decoder's RMSNorm and SiLU gate as torch.compile kernels.
 
-Runs torch.compile for real (Inductor's CPU backend here; Triton on a GPU): the patched model computes the
-same logits and gradients as HF's eager modules up to rounding, the names and parameters are unchanged, and
-a model with none of the known modules is refused with the option's name.
+Runs torch.compile for real (Inductor's CPU backend here; Triton on a GPU): the hand-written backward is
+autograd's own in float32, the patched model computes the same logits and gradients as HF's eager modules up
+to rounding (also with activation checkpointing, whose recompute must save what the forward saved), the names
+and parameters are unchanged, and a model with none of the known modules is refused with the option's name.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fp8rl.train.compiled import compile_elementwise
+from fp8rl.train.compiled import _RMSNorm, _SiluMul, compile_elementwise
 
 
 def _model(seed: int) -> LlamaForCausalLM:
@@ -45,6 +46,51 @@ def test_compiled_norms_and_gate_match_the_eager_model() -> None:
         for a, b in zip(gf, ge, strict=True):
             assert ((a - b).norm() / b.norm().clamp(min=1e-6)).item() < 5e-2
         ids = torch.randint(0, 96, (2, 9))
+
+
+def test_the_compiled_backward_is_autograds_in_float32() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    g, u = torch.randn(4, 96, dtype=torch.float64), torch.randn(4, 96, dtype=torch.float64)
+    dy_norm, dy_gate = torch.randn(3, 5, 64, dtype=torch.float64), torch.randn(4, 96, dtype=torch.float64)
+
+    def eager_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    cases = [
+        (lambda a, b: _RMSNorm.apply(a, b, 1e-6), eager_norm, (x, w), dy_norm),
+        (_SiluMul.apply, lambda a, b: nn.functional.silu(a) * b, (g, u), dy_gate),
+    ]
+    for fused, eager, inputs, dy in cases:
+        grads = []
+        for fn in (fused, eager):
+            leaves = [t.to(torch.float32).requires_grad_(True) for t in inputs]
+            out = fn(*leaves)
+            out.backward(dy.to(torch.float32))
+            grads.append((out.detach(), [t.grad for t in leaves]))
+        (of, gf), (oe, ge) = grads
+        torch.testing.assert_close(of, oe, rtol=1e-5, atol=1e-5)
+        for a, b in zip(gf, ge, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_parts_under_activation_checkpointing_match_the_eager_model() -> None:
+    eager, fused = _model(1), _model(1)
+    compile_elementwise(fused)
+    for model in (eager, fused):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ids = torch.randint(0, 96, (2, 13))
+    outs = []
+    for model in (eager, fused):
+        loss = model(input_ids=ids).logits.float().logsumexp(-1).mean()
+        loss.backward()  # the recompute's saved tensors are checked against the forward's (metadata must agree)
+        outs.append((loss.detach(), [p.grad.float() for p in model.parameters()]))
+    (le, ge), (lf, gf) = outs
+    assert abs((lf - le).item()) < 2e-2 * abs(le.item())
+    for a, b in zip(gf, ge, strict=True):
+        assert ((a - b).norm() / b.norm().clamp(min=1e-6)).item() < 5e-2
 
 
 def test_a_model_without_known_modules_is_refused_by_the_option_name() -> None:
