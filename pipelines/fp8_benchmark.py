@@ -36,6 +36,7 @@ def build(parallelism: int = 0) -> Any:
         experiment: str = "fp8rl-bench",
         work_dir: str = CLUSTER_WORK_DIR,
         device: str = "auto",
+        profile_train: bool = False,
         pvc_name: str = DEFAULT_PVC,
         rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
         mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
@@ -50,7 +51,7 @@ def build(parallelism: int = 0) -> Any:
             bench = benchmark(
                 model=model.outputs["model"], mlflow_run=tracking.outputs["mlflow_run"], recipe=recipe, seed=seed,
                 run_config=run_config, pipeline_name=NAME, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, steps=bench_steps,
-                warmup_steps=warmup_steps, device=device,
+                warmup_steps=warmup_steps, device=device, profile_train=profile_train,
             ).set_display_name("benchmark")  # fmt: skip
             on_cluster(bench.after(conversion), refs, tracked=True, gpu=True)
         report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)

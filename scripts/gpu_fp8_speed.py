@@ -43,6 +43,7 @@ from gpu_te_speed import decoder_stack, opts
 
 from fp8rl.bench.kernels import copy_bandwidth_gbs, time_ms
 from fp8rl.quant import QuantSpec
+from fp8rl.train.step_profile import category, device_ms_by_category
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 
 LLAMA8B = {"hidden": 4096, "inter": 14336, "layers": 32, "heads": 32, "kv": 8, "vocab": 128256}
@@ -152,15 +153,6 @@ def section_trainer(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-CATEGORIES = [  # (category, substrings of the kernel name, lowercase); first match wins
-    ("attention", ("flash", "fmha", "attention", "attn")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_")),
-    ("fp8 quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel")),
-    ("optimizer", ("multi_tensor", "adam", "foreach")),
-    ("nccl", ("nccl",)),
-]
-
-
 def section_profile(a: argparse.Namespace) -> dict[str, Any]:
     """Device time of one trainer step by kernel category, BF16 vs FP8: what bounds the step speedup."""
     from torch.profiler import ProfilerActivity, profile
@@ -179,19 +171,9 @@ def section_profile(a: argparse.Namespace) -> dict[str, Any]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             trainer.sft_step(batch)
             torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        kernels_ms: list[tuple[str, float]] = []
-        for e in prof.key_averages():
-            ms = e.self_device_time_total / 1e3
-            if ms <= 0:
-                continue
-            name = e.key.lower()
-            cat = next(
-                (c for c, keys in CATEGORIES if any(k in name for k in keys)),
-                "other (norms, rope, silu, casts, copies)",
-            )
-            totals[cat] = totals.get(cat, 0.0) + ms
-            kernels_ms.append((e.key[:90], ms))
+        top: list[tuple[str, str, float]] = []
+        totals = categorize(prof, top)
+        kernels_ms = [(name[:90], ms) for _, name, ms in top]
         out[precision] = {"device_ms_by_category": totals, "device_ms_total": sum(totals.values()),
                           "top_kernels": sorted(kernels_ms, key=lambda t: -t[1])[:12]}  # fmt: skip
         say(
@@ -217,18 +199,13 @@ def llama8b_stack(layers: int) -> Any:
 
 
 def categorize(prof: Any, top: list[tuple[str, str, float]] | None = None) -> dict[str, float]:
-    """Device ms by kernel category; ``top`` (if given) gets every kernel as (category, name, ms)."""
-    totals: dict[str, float] = {}
-    for e in prof.key_averages():
-        ms = e.self_device_time_total / 1e3
-        if ms <= 0:
-            continue
-        name = e.key.lower()
-        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-        totals[cat] = totals.get(cat, 0.0) + ms
-        if top is not None:
-            top.append((cat, e.key[:100], ms))
-    return totals
+    """Device ms by kernel category (``fp8rl.train.step_profile``); ``top`` (if given) gets every kernel as
+    (category, name, ms)."""
+    if top is not None:
+        for e in prof.key_averages():
+            if e.self_device_time_total > 0:
+                top.append((category(e.key), e.key[:100], e.self_device_time_total / 1e3))
+    return device_ms_by_category(prof, on_cuda=True)
 
 
 def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:

@@ -35,7 +35,8 @@
 #                                                        at once: the machine goes back 30 s after a call ends, and
 #                                                        the job (and the vLLM setup in /tmp) with it
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
-# MBT sets the benchmarks' --micro-batch-tokens (default 4096); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
+# MBT sets the benchmarks' --micro-batch-tokens (default 4096); BENCH_FLAGS adds flags to every benchmark (e.g.
+# "--profile-train": one more step per recipe, its train phase's kernel time by category); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
 # own pytest call, after the trainer's GPU tests; e.g. "tests/gpu/test_ray_vllm.py -k fsdp2").
 # Results: $OUT/ray_vllm.log and $OUT/results.tar.gz (every .json, .md and .log the job wrote under /tmp/res).
 set -uo pipefail
@@ -93,7 +94,7 @@ case $step in
     bench() {  # bench <config> <recipes> <out dir> [shape] [prompts]
       echo "python3 -m fp8rl bench step --shape ${4:-${SHAPE:-llama-1b}} --config $1 --recipes $2 --prompts ${5:-${PROMPTS:-16}} \
         --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens ${MBT:-4096} --no-mlflow \
-        --out $3 --work-dir /tmp/work"
+        --out $3 --work-dir /tmp/work ${BENCH_FLAGS:-}"
     }
     tests=""
     [ -n "${PYTEST:-}" ] && tests="python3 -m pytest -q -p no:cacheprovider $PYTEST > $RES/pytest.log 2>&1; tail -n 3 $RES/pytest.log; "

@@ -113,6 +113,8 @@ class StepBench:
     micro_batch_tokens: int | None = None
     # keep the bit-exact check of every weight sync (its time counts in the sync's); off: timing only
     verify_sync: bool = False
+    # one more step per recipe, its policy step under the profiler: the train phase's kernel time by category
+    profile_train: bool = False
 
 
 def step_config(base: dict[str, Any], recipe: str, bench: StepBench, work_dir: str) -> RunConfig:
@@ -155,8 +157,9 @@ def run_step_bench(
             result = _in_subprocess(cfg, model_dir, bench, log)
         else:
             result = benchmark_recipe(
-                cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log, verify_sync=bench.verify_sync
-            )
+                cfg, model_dir, bench.device, bench.steps, bench.warmup, log=log, verify_sync=bench.verify_sync,
+                profile_train=bench.profile_train,
+            )  # fmt: skip
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         if part is not None:
@@ -171,6 +174,7 @@ def _part_key(cfg: RunConfig, model_dir: str | Path, bench: StepBench) -> dict[s
     return {
         "config": cfg.model_dump(mode="json"), "model": str(model_dir), "steps": bench.steps,
         "warmup": bench.warmup, "device": bench.device, "verify_sync": bench.verify_sync,
+        "profile_train": bench.profile_train,
     }  # fmt: skip
 
 
@@ -200,7 +204,8 @@ def _in_subprocess(
         cfg_path, out_path = Path(tmp) / "run.json", Path(tmp) / "result.json"
         cfg_path.write_text(cfg.model_dump_json())
         cmd = [sys.executable, "-m", "fp8rl.bench.step", str(cfg_path), str(model_dir), bench.device,
-               str(bench.steps), str(bench.warmup), str(out_path), str(int(bench.verify_sync))]  # fmt: skip
+               str(bench.steps), str(bench.warmup), str(out_path), str(int(bench.verify_sync)),
+               str(int(bench.profile_train))]  # fmt: skip
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             assert proc.stdout is not None
             tail: list[str] = []
@@ -216,12 +221,13 @@ def _in_subprocess(
 
 
 def _subprocess_main(argv: Sequence[str]) -> None:
-    """``python -m fp8rl.bench.step RUN_JSON MODEL DEVICE STEPS WARMUP OUT_JSON VERIFY``: one recipe, for
+    """``python -m fp8rl.bench.step RUN_JSON MODEL DEVICE STEPS WARMUP OUT_JSON VERIFY PROFILE``: one recipe, for
     ``isolate``."""
-    cfg_path, model_dir, device, steps, warmup, out, verify = argv
+    cfg_path, model_dir, device, steps, warmup, out, verify, profile = argv
     cfg = RunConfig.model_validate_json(Path(cfg_path).read_text())
     result = benchmark_recipe(cfg, model_dir, device, int(steps), int(warmup),
-                              log=lambda line: print(line, flush=True), verify_sync=verify == "1")  # fmt: skip
+                              log=lambda line: print(line, flush=True), verify_sync=verify == "1",
+                              profile_train=profile == "1")  # fmt: skip
     atomic_write_text(out, json.dumps(result.to_dict()))
 
 
@@ -306,7 +312,32 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             notes.append(f"- {r.recipe}: " + "; ".join(p for p in parts if p))
     if notes:
         lines += ["", *notes]
+    lines += _profile_table(results)
     return doc, "\n".join(lines) + "\n"
+
+
+PROFILE_COLUMNS = ("gemm", "fp8_quantize", "attention", "optimizer", "nccl", "other")
+
+
+def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
+    """``--profile-train``: each recipe's profiled policy step, kernel ms by category (the busiest rank's)."""
+    profiled = [r for r in results if r.train_device_ms]
+    if not profiled:
+        return []
+    lines = [
+        "",
+        "Train phase by kernel category (one more step after the timed ones, its policy step under the profiler; "
+        "device ms, the busiest rank's):",
+        "",
+        "| recipe | train s (profiled) | " + " | ".join(PROFILE_COLUMNS) + " | total |",
+        "|---|---|" + "---|" * (len(PROFILE_COLUMNS) + 1),
+    ]
+    for r in profiled:
+        ms = r.train_device_ms or {}
+        cells = " | ".join(f"{ms[c]:,.0f}" if c in ms else "-" for c in PROFILE_COLUMNS)
+        train_s = f"{r.profiled_train_s:.2f}" if r.profiled_train_s is not None else "-"
+        lines.append(f"| {r.recipe} | {train_s} | {cells} | {sum(ms.values()):,.0f} |")
+    return lines
 
 
 def run_metadata(
@@ -321,6 +352,7 @@ def run_metadata(
     meta: dict[str, Any] = {
         "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
         "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes), "verify_sync": bench.verify_sync,
+        "profile_train": bench.profile_train,
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,

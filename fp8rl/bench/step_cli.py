@@ -41,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",
     )  # fmt: skip
     p.add_argument(
+        "--profile-train", action="store_true",
+        help="one more step per recipe after the timed ones, its policy step under the profiler: the train phase's "
+        "kernel time by category (gemm, fp8_quantize, attention, optimizer, nccl, other) in the results",
+    )  # fmt: skip
+    p.add_argument(
         "--resume", action="store_true",
         help="read back the recipes already measured in OUT/recipes with the same settings instead of running them",
     )  # fmt: skip
@@ -75,7 +80,7 @@ def main_with_args(args: argparse.Namespace) -> int:
     bench = StepBench(
         recipes=[r for r in args.recipes.split(",") if r], prompts=args.prompts, samples=args.samples,
         max_tokens=args.max_tokens, steps=args.steps, warmup=args.warmup, device=device,
-        micro_batch_tokens=args.micro_batch_tokens, verify_sync=args.verify_sync,
+        micro_batch_tokens=args.micro_batch_tokens, verify_sync=args.verify_sync, profile_train=args.profile_train,
     )  # fmt: skip
     if not bench.recipes:
         raise UserError("--recipes: name at least one recipe")

@@ -36,6 +36,7 @@ import torch
 
 from fp8rl.config import RunConfig
 from fp8rl.loop import build_parts, rl_step, task_examples
+from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
 
 # metric key of fp8rl.loop.rl_step -> field of ThroughputResult
 STEP_METRICS: dict[str, str] = {
@@ -96,6 +97,11 @@ class ThroughputResult:
     # CUDA: times a trainer's caching allocator freed its cache to retry an allocation in a policy step (the most
     # of any rank): memory at its limit, each retry a synchronising cudaFree/cudaMalloc round
     cuda_alloc_retries: float | None = None
+    # --profile-train: one policy step after the timed ones under the profiler, its kernel milliseconds by category
+    # (gemm, attention, fp8_quantize, optimizer, nccl, other; the busiest rank's; fp8rl.train.step_profile)
+    train_device_ms: dict[str, float] | None = None
+    # the profiled step's train phase, wall seconds (profiling adds some: compare within the profile)
+    profiled_train_s: float | None = None
 
     @property
     def idle_s(self) -> float:
@@ -110,6 +116,8 @@ class ThroughputResult:
             out[f"{prefix}peak_memory_gb"] = self.peak_memory_gb
         for actors, gb in (self.gpu_peak_memory_gb or {}).items():  # MLflow metric names have no '+'
             out[f"{prefix}peak_memory_gb/{actors.replace('+', '_')}"] = gb
+        for cat, ms in (self.train_device_ms or {}).items():
+            out[f"{prefix}train_device_ms/{cat}"] = ms
         return out
 
     def to_dict(self) -> dict[str, object]:
@@ -139,13 +147,15 @@ def benchmark_recipe(
     warmup_steps: int = 1,
     log: Callable[[str], None] = print,
     verify_sync: bool = False,
+    profile_train: bool = False,
 ) -> ThroughputResult:
     """Time ``steps`` RL steps of ``cfg`` (after ``warmup_steps`` untimed ones) from the checkpoint ``model_dir``.
 
     Uses ``cfg.grpo`` (prompts per step x group size), ``cfg.sampling`` and the recipe; the policy is
     updated as in training, so the timed steps are real steps. The bit-exact sync check
     (``cfg.verify_sync``) is turned off unless ``verify_sync``: it is a test of the sync, not part of its cost
-    (with it, a mismatch fails the step and the check's time is part of the sync's).
+    (with it, a mismatch fails the step and the check's time is part of the sync's).  ``profile_train``: one more
+    step after the timed ones, its policy step under the profiler (``train_device_ms``; not in the medians).
     """
     if steps < 1 or warmup_steps < 0:
         raise ValueError(f"need steps >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
@@ -160,6 +170,7 @@ def benchmark_recipe(
     try:
         timed = _run_steps(cfg, parts, steps, warmup_steps, cuda, log, gpu_peaks)
         per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks().items()} if gpu_peaks else {}
+        profiled = _profiled_step(cfg, parts, warmup_steps + steps + 1, log) if profile_train else None
     finally:
         try:
             _close(parts)
@@ -181,6 +192,8 @@ def benchmark_recipe(
         warmup_steps=warmup_steps,
         peak_memory_gb=peak,
         gpu_peak_memory_gb=per_gpu or None,
+        train_device_ms=profiled[0] if profiled else None,
+        profiled_train_s=profiled[1] if profiled else None,
         **medians,
     )
 
@@ -229,6 +242,22 @@ def _run_steps(
         if step > warmup_steps:
             timed.append(metrics)
     return timed
+
+
+def _profiled_step(cfg: RunConfig, parts: Any, step: int, log: Callable[[str], None]) -> tuple[dict[str, float], float]:
+    """One more RL step with the trainer's policy step under the profiler: its kernel ms by category, train s."""
+    prefix = "train/" + STEP_PROFILE_PREFIX
+    train_pool, _ = task_examples(cfg)
+    parts.trainer.profile_next_policy_step()
+    metrics = rl_step(cfg, parts, random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step), step)
+    by_cat = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+    if not by_cat:
+        raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
+    log(
+        f"[{cfg.recipe.name}] bench step {step} (profiled, not timed): train {metrics['time/train_s']:.2f}s, "
+        "device ms " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_cat.items(), key=lambda t: -t[1]))
+    )
+    return by_cat, metrics["time/train_s"]
 
 
 def _stop_ray(started: bool) -> None:

@@ -122,19 +122,22 @@ class RolloutGroup:
             self.sleep_freed_bytes = sum(measured) if measured else None
 
 
-# policy_step metrics that are each rank's own (not its share of a global sum): the group reports the largest
+# policy_step metrics that are each rank's own (not its share of a global sum): the group reports the largest;
+# so are the profiled step's kernel times (fp8rl.train.step_profile), the busiest rank's per category
 PER_RANK_MAX = ("optimizer_offload_s", "cuda_alloc_retries")
+PER_RANK_MAX_PREFIXES = ("profile/",)
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One policy step's metrics from its ranks': each rank's loss and metrics are its exact share of the global
     ones (summed); the grad norm and lr are global (rank 0's); a rank's own costs (``PER_RANK_MAX``), paid by
     all ranks at once, are the slowest rank's."""
-    out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in per_rank[0]}
+    keys = dict.fromkeys(k for m in per_rank for k in m)  # every rank's keys, in order (a profiled category
+    out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in keys}  # may show on one rank only)
     for global_key in ("grad_norm", "lr"):
         out[global_key] = per_rank[0][global_key]
-    for key in PER_RANK_MAX:
-        if key in out:
+    for key in out:
+        if key in PER_RANK_MAX or key.startswith(PER_RANK_MAX_PREFIXES):
             out[key] = max(m.get(key, 0.0) for m in per_rank)
     return out
 
@@ -199,6 +202,10 @@ class TrainerGroup:
         ]
         per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
         return combine_rank_metrics(per_rank)
+
+    def profile_next_policy_step(self) -> None:
+        """Every rank profiles its next policy step (the group's metrics: the busiest rank's, per category)."""
+        self.calls.get([a.profile_next_policy_step.remote() for a in self.actors], self.names)
 
     def state_dict(self) -> dict[str, Any]:
         if self.before_full_state is not None:

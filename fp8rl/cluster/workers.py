@@ -166,6 +166,9 @@ class TrainerWorker(_PeakMemory):
         self._hand_back_cached_memory()
         return metrics
 
+    def profile_next_policy_step(self) -> None:
+        self.trainer.profile_next_policy_step()
+
     def _hand_back_cached_memory(self) -> None:
         """Colocated on a GPU, the engine wakes up next: the blocks this rank's caching allocator holds
         but no tensor uses (activations, gathered weights) go back to the driver so vLLM can take them."""

@@ -1,4 +1,5 @@
-"""The throughput benchmark of a Ray recipe starts its own local Ray when none runs, and stops it after."""
+"""The throughput benchmark of a Ray recipe starts its own local Ray when none runs, and stops it after; its
+``profile_train`` step reaches the trainer worker."""
 
 from __future__ import annotations
 
@@ -24,9 +25,14 @@ def test_bench_on_ray_starts_and_stops_a_local_ray(tiny_models: dict[str, Path],
         }
     )
     lines: list[str] = []
-    result = benchmark_recipe(cfg, tiny_models["tiny"], "cpu", steps=1, warmup_steps=0, log=lines.append)
+    result = benchmark_recipe(
+        cfg, tiny_models["tiny"], "cpu", steps=1, warmup_steps=0, log=lines.append, profile_train=True
+    )
     assert result.rollout_tokens_per_s > 0 and result.train_tokens_per_s > 0 and result.sync_bytes > 0
     assert any("timed" in line for line in lines)
+    # --profile-train through the Ray trainer group: the worker's policy step under the profiler
+    assert result.train_device_ms is not None and result.train_device_ms["gemm"] > 0
+    assert any("(profiled, not timed)" in line for line in lines)
     # CPU actors have no GPU to sample: no peak is made up
     assert result.peak_memory_gb is None and result.gpu_peak_memory_gb is None
     assert not ray.is_initialized()  # the benchmark's own Ray is shut down with it

@@ -167,10 +167,11 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     work = tmp_path / "work"
     argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16,fp8-e2e", "--prompts", "2", "--samples", "2",
             "--max-tokens", "24", "--steps", "2", "--warmup", "1", "--device", "cpu", "--work-dir", str(work),
-            "--verify-sync"]  # fmt: skip
+            "--verify-sync", "--profile-train"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((work / "bench-step" / "bench_step.json").read_text())
     assert doc["meta"]["verify_sync"] is True and doc["meta"]["gpus"] == 0 and doc["meta"]["ray"] is None
+    assert doc["meta"]["profile_train"] is True
     by = {r["recipe"]: r for r in doc["results"]}
     assert list(by) == ["bf16", "fp8-e2e"] and doc["meta"]["max_tokens"] == 24
     for r in by.values():
@@ -178,21 +179,33 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
         parts = r["generate_s"] + r["logprob_s"] + r["train_s"] + r["sync_s"]
         assert 0 < parts <= r["step_s"] * 1.5 and r["idle_s"] >= 0
         assert r["steps"] == 2 and r["warmup_steps"] == 1 and r["peak_memory_gb"] is None  # CPU
+        # --profile-train: one more step (in the recipe's own process), its policy step's time by category
+        assert r["train_device_ms"]["gemm"] > 0 and r["train_device_ms"]["other"] > 0 and r["profiled_train_s"] > 0
     assert by["bf16"]["speedup_vs_bf16"] == {"step": 1.0, "rollout": 1.0, "train": 1.0}
     up = by["fp8-e2e"]["speedup_vs_bf16"]
     assert up["step"] == pytest.approx(by["bf16"]["step_s"] / by["fp8-e2e"]["step_s"])
     table = (work / "bench-step" / "bench_step.md").read_text()
     assert "| fp8-e2e |" in table and f"{up['step']:.2f}x" in table
     assert "every weight sync verified bit for bit" in table
+    assert "Train phase by kernel category" in table
+    assert (
+        f"| fp8-e2e | {by['fp8-e2e']['profiled_train_s']:.2f} | {by['fp8-e2e']['train_device_ms']['gemm']:,.0f} |"
+        in table
+    )
+    out = capsys.readouterr().out
+    assert "(profiled, not timed)" in out  # the recipe's process's line, passed on
     png = (work / "bench-step" / "bench_step.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000  # the breakdown and speedup plot
-    assert "MLflow comparison run" in capsys.readouterr().out
+    assert "MLflow comparison run" in out
     client = MlflowClient(tracking_uri=configure_mlflow(work))
     (exp,) = [e for e in client.search_experiments() if e.name == "fp8rl-bench"]
     runs = client.search_runs([exp.experiment_id])
     children = {r.data.tags.get("recipe"): r for r in runs if r.data.tags.get("mlflow.parentRunId")}
     assert set(children) == {"bf16", "fp8-e2e"}
     assert children["fp8-e2e"].data.metrics["bench/speedup_step"] == pytest.approx(up["step"])
+    assert children["fp8-e2e"].data.metrics["bench/train_device_ms/gemm"] == pytest.approx(
+        by["fp8-e2e"]["train_device_ms"]["gemm"]
+    )
     (parent,) = [r for r in runs if not r.data.tags.get("mlflow.parentRunId")]
     logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"bench_step.json", "bench_step.md", "bench_step.png"} <= logged

@@ -247,11 +247,13 @@ def test_benchmark_without_a_run_makes_a_child_run(
     run_id = benchmark.python_func(
         model=model, mlflow_run=tracking, recipe="fp8-rollout", seed=0, run_config=RUN_CONFIG, pipeline_name="bench",
         kfp_run_id=KFP_RUN, metrics=art(Metrics, tmp_path, "m"), steps=1, warmup_steps=0, device="cpu",
+        profile_train=True,
     )  # fmt: skip
     run = MlflowClient(ref.tracking_uri).get_run(run_id)
     assert run.info.run_name == "fp8-rollout-benchmark" and run.info.status == "FINISHED"
     assert run.data.tags["recipe"] == "fp8-rollout" and run.data.tags[TAG_KFP_COMPONENT] == "benchmark"
     assert run.data.tags["mlflow.parentRunId"] == ref.run_id and "bench/sync_s" in run.data.metrics
+    assert run.data.metrics["bench/train_device_ms/gemm"] > 0  # profile_train: the extra step's kernel time
 
 
 def test_rl_step_refuses_an_unknown_backend(tracking: Artifact, tmp_path: Path) -> None:

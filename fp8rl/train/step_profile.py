@@ -1,0 +1,78 @@
+"""Where a policy step's device time goes, by kernel category: one step under ``torch.profiler``, on request.
+
+``fp8rl bench step --profile-train`` arms it for one extra step after the timed ones (Ray: on every trainer rank),
+and that step's metrics carry ``profile/train_ms/<category>``: the device milliseconds of its kernels by what
+they are -- cuBLAS/CUTLASS GEMMs, attention, FP8 quantization, the optimizer, NCCL, and everything else (norms,
+RoPE, activations, casts, copies, the head's softmax).  That is the breakdown the step-time table cannot give:
+whether a recipe's train phase is bounded by its GEMMs (which FP8 speeds up) or by the rest (which it does not).
+On the CPU the same categories are taken from the aten ops' own CPU time, so the plumbing is testable there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+METRIC_PREFIX = "profile/train_ms/"
+
+# (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
+CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("fp8_quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("nccl", ("nccl",)),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def device_ms_by_category(prof: Any, on_cuda: bool) -> dict[str, float]:
+    """Milliseconds by category from a finished ``torch.profiler.profile``: the kernels' own device time on CUDA,
+    the ops' own CPU time otherwise."""
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = e.self_device_time_total if on_cuda else e.self_cpu_time_total
+        if us > 0:
+            cat = category(e.key)
+            totals[cat] = totals.get(cat, 0.0) + us / 1e3
+    return totals
+
+
+class StepProfile:
+    """``arm()``, then the next ``around()`` block runs under the profiler and fills the dict it yields with
+    ``profile/train_ms/<category>``; unarmed, ``around()`` costs nothing and yields an empty dict."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.armed = device, False
+
+    def arm(self) -> None:
+        self.armed = True
+
+    @contextmanager
+    def around(self) -> Iterator[dict[str, float]]:
+        out: dict[str, float] = {}
+        if not self.armed:
+            yield out
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        self.armed = False
+        on_cuda = self.device.type == "cuda"
+        prof = profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU], acc_events=True)
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+        prof.start()
+        try:
+            yield out
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+        finally:
+            prof.stop()
+        out.update({METRIC_PREFIX + k: v for k, v in device_ms_by_category(prof, on_cuda).items()})

@@ -1,0 +1,75 @@
+"""``fp8rl.train.step_profile``: a policy step's kernel time by category, on request (``bench step --profile-train``).
+
+On the CPU the categories come from the aten ops' own CPU time (the GPU's kernel names are checked by name here,
+and the GPU's profile by ``scripts/gpu_fp8_speed.py``'s rlprofile section): an armed step reports them, the steps
+before and after do not, the step itself is the same step, and a Ray trainer group reports the busiest rank's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8rl.cluster.groups import combine_rank_metrics
+from fp8rl.config import GRPOConfig
+from fp8rl.train.step_profile import METRIC_PREFIX, category
+from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
+
+
+@pytest.mark.parametrize(
+    ("kernel", "expected"),
+    [
+        ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "gemm"),
+        ("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN", "gemm"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128", "attention"),
+        ("_groups_kernel", "fp8_quantize"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+        ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "other"),
+        ("aten::mm", "gemm"),
+        ("aten::mul", "other"),
+    ],
+)
+def test_kernels_fall_in_their_categories(kernel: str, expected: str) -> None:
+    assert category(kernel) == expected
+
+
+def _batch() -> tuple:
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 20, (4,), generator=g).tolist() for _ in range(4)]
+    responses = torch.randint(3, 20, (4, 6), generator=g)
+    mask = torch.ones(4, 6)
+    return build_batch(prompts, responses, mask, pad_id=0), torch.randn(4, generator=g), -torch.rand(4, 6), mask
+
+
+def test_an_armed_policy_step_reports_its_kernel_time_and_is_the_same_step(tiny_models: dict[str, Path]) -> None:
+    batch, adv, old, mask = _batch()
+    runs = []
+    for profiled in (False, True):
+        trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(lr=1e-3, micro_batch_size=2))
+        steps = []
+        for i in range(3):
+            if profiled and i == 1:
+                trainer.profile_next_policy_step()
+            steps.append(trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0))
+        runs.append(steps)
+    plain, profiled_run = runs
+    first, armed, after = profiled_run
+    times = {k.removeprefix(METRIC_PREFIX): v for k, v in armed.items() if k.startswith(METRIC_PREFIX)}
+    assert times["gemm"] > 0 and times["other"] > 0 and times["optimizer"] >= 0
+    assert not any(k.startswith(METRIC_PREFIX) for m in (first, after) for k in m)
+    for a, b in zip(plain, profiled_run, strict=True):  # the profiler watched; it changed nothing
+        b = {k: v for k, v in b.items() if not k.startswith(METRIC_PREFIX)}
+        assert a == b
+
+
+def test_a_trainer_group_reports_the_busiest_ranks_kernel_time() -> None:
+    ranks = [
+        {"loss": 0.5, "grad_norm": 2.0, "lr": 1e-3, METRIC_PREFIX + "gemm": 10.0, METRIC_PREFIX + "other": 5.0},
+        {"loss": 0.25, "grad_norm": 2.0, "lr": 1e-3, METRIC_PREFIX + "gemm": 12.0, METRIC_PREFIX + "nccl": 3.0},
+    ]
+    assert combine_rank_metrics(ranks) == {
+        "loss": 0.75, "grad_norm": 2.0, "lr": 1e-3, METRIC_PREFIX + "gemm": 12.0, METRIC_PREFIX + "other": 5.0,
+        METRIC_PREFIX + "nccl": 3.0,
+    }  # fmt: skip
