@@ -213,16 +213,15 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
     layers, --rl-rows x (128 + --rl-response) tokens in micro-batches of --rl-mbt padded tokens, activation
     checkpointing; wall time of compute_logprobs and policy_step, and policy_step's device time by kernel category
     (one step under the CUDA profiler), BF16 vs FP8: where the train phase's time goes."""
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from fp8rl.config import GRPOConfig
-    from fp8rl.train.trainer import TrainerOptions, build_batch
+    from fp8rl.train.trainer import TrainerOptions, build_batch, policy_batch_totals
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     device = "cuda"
     if world > 1:  # under torchrun: FSDP2 over the ranks (NCCL), each rank its share of the rows
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             dist.init_process_group("nccl")
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -232,6 +231,11 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
     prompts = [torch.randint(1, 128000, (prompt,), generator=g).tolist() for _ in range(rows)]
     batch = build_batch(prompts, torch.randint(1, 128000, (rows, response), generator=g), torch.ones(rows, response), 0)
     adv, mask = torch.randn(rows, generator=g), torch.ones(rows, response)
+    totals = policy_batch_totals(mask)  # every rank's share of the global loss, as the Ray trainer group passes it
+    if world > 1:
+        t = torch.tensor(totals, dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        totals = (float(t[0]), float(t[1]))
     out: dict[str, Any] = {"rows_per_rank": rows, "ranks": world, "prompt": prompt, "response": response,
                            "layers": a.rl_layers, "micro_batch_tokens": a.rl_mbt,
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
@@ -248,12 +252,12 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
             old = trainer.compute_logprobs(batch, 1.0)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
             torch.cuda.synchronize()
             if i >= a.warmup:
                 times.append((t1 - t0, time.perf_counter() - t1))
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
             torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof_lp:
             trainer.compute_logprobs(batch, 1.0)
@@ -379,8 +383,10 @@ def main() -> None:
 
         size, warps, mode = a.colwise_config.split(",")
         kernels.GROUPS_COLWISE_CONFIG = (int(size), int(warps), mode)
-    rank = int(os.environ.get("RANK", "0"))  # rlprofile under torchrun: a JSON per rank
-    out = Path(os.environ.get("OUT", ".")) / (a.json if rank == 0 else f"rank{rank}-{a.json}")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    out = Path(os.environ.get("OUT", ".")) / (a.json if rank == 0 else f"rank{rank}-{a.json}")  # under torchrun
+    if "LOCAL_RANK" in os.environ:  # this rank's GPU, before anything names or uses one
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "colwise_config": a.colwise_config,
                               "compile_elementwise": a.compile_elementwise, "cuda_graphs": a.cuda_graphs,
@@ -393,7 +399,14 @@ def main() -> None:
         "rlprofile": lambda: section_rlprofile(a),
     }
     for name in a.sections.split(","):
-        run_section(report, name, fns[name], out, say)
+        entry = run_section(report, name, fns[name], out, say)
+        if world > 1 and entry["status"] != "ok":  # the other ranks wait in a collective: end them all now
+            os._exit(1)
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -174,7 +174,8 @@ def _part_key(cfg: RunConfig, model_dir: str | Path, bench: StepBench) -> dict[s
     return {
         "config": cfg.model_dump(mode="json"), "model": str(model_dir), "steps": bench.steps,
         "warmup": bench.warmup, "device": bench.device, "verify_sync": bench.verify_sync,
-        "profile_train": bench.profile_train,
+        # only when on: parts measured before the flag existed still resume
+        **({"profile_train": True} if bench.profile_train else {}),
     }  # fmt: skip
 
 
@@ -320,16 +321,17 @@ PROFILE_COLUMNS = ("gemm", "fp8_quantize", "attention", "optimizer", "nccl", "ot
 
 
 def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
-    """``--profile-train``: each recipe's profiled policy step, kernel ms by category (the busiest rank's)."""
+    """``--profile-train``: each recipe's profiled policy step, kernel ms by category."""
     profiled = [r for r in results if r.train_device_ms]
     if not profiled:
         return []
     lines = [
         "",
         "Train phase by kernel category (one more step after the timed ones, its policy step under the profiler; "
-        "device ms, the busiest rank's):",
+        "kernel ms, summed per category (NCCL overlaps compute and includes waiting); on Ray the rank with the most "
+        "non-NCCL kernel time):",
         "",
-        "| recipe | train s (profiled) | " + " | ".join(PROFILE_COLUMNS) + " | total |",
+        "| recipe | policy step s (profiled) | " + " | ".join(PROFILE_COLUMNS) + " | sum |",
         "|---|---|" + "---|" * (len(PROFILE_COLUMNS) + 1),
     ]
     for r in profiled:

@@ -37,6 +37,7 @@ import torch
 from fp8rl.config import RunConfig
 from fp8rl.loop import build_parts, rl_step, task_examples
 from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
+from fp8rl.train.step_profile import WALL_KEY as STEP_PROFILE_WALL
 
 # metric key of fp8rl.loop.rl_step -> field of ThroughputResult
 STEP_METRICS: dict[str, str] = {
@@ -98,9 +99,10 @@ class ThroughputResult:
     # of any rank): memory at its limit, each retry a synchronising cudaFree/cudaMalloc round
     cuda_alloc_retries: float | None = None
     # --profile-train: one policy step after the timed ones under the profiler, its kernel milliseconds by category
-    # (gemm, attention, fp8_quantize, optimizer, nccl, other; the busiest rank's; fp8rl.train.step_profile)
+    # (gemm, attention, fp8_quantize, optimizer, nccl, other; on Ray the rank with the most non-NCCL kernel time;
+    # sums of kernel time, not busy time: fp8rl.train.step_profile)
     train_device_ms: dict[str, float] | None = None
-    # the profiled step's train phase, wall seconds (profiling adds some: compare within the profile)
+    # the profiled policy step's wall seconds (under the profiler, which adds some: compare within the profile)
     profiled_train_s: float | None = None
 
     @property
@@ -170,6 +172,7 @@ def benchmark_recipe(
     try:
         timed = _run_steps(cfg, parts, steps, warmup_steps, cuda, log, gpu_peaks)
         per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks().items()} if gpu_peaks else {}
+        local_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
         profiled = _profiled_step(cfg, parts, warmup_steps + steps + 1, log) if profile_train else None
     finally:
         try:
@@ -181,7 +184,7 @@ def benchmark_recipe(
         if all(key in m for m in timed):
             medians[field] = statistics.median(m[key] for m in timed)
     if cfg.ray is None:
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        peak = local_peak  # of the timed steps (read before a profiled step)
     else:
         peak = max(per_gpu.values()) if per_gpu else None
     return ThroughputResult(
@@ -246,18 +249,19 @@ def _run_steps(
 
 def _profiled_step(cfg: RunConfig, parts: Any, step: int, log: Callable[[str], None]) -> tuple[dict[str, float], float]:
     """One more RL step with the trainer's policy step under the profiler: its kernel ms by category, train s."""
-    prefix = "train/" + STEP_PROFILE_PREFIX
+    prefix = "train/" + STEP_PROFILE_PREFIX  # the trainer's metrics come back under train/
     train_pool, _ = task_examples(cfg)
     parts.trainer.profile_next_policy_step()
     metrics = rl_step(cfg, parts, random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step), step)
     by_cat = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
     if not by_cat:
         raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
+    wall = metrics["train/" + STEP_PROFILE_WALL]  # the policy step's own time, not the profiler's post-processing
     log(
-        f"[{cfg.recipe.name}] bench step {step} (profiled, not timed): train {metrics['time/train_s']:.2f}s, "
-        "device ms " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_cat.items(), key=lambda t: -t[1]))
+        f"[{cfg.recipe.name}] bench step {step} (profiled, not timed): policy step {wall:.2f}s, "
+        "kernel ms " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_cat.items(), key=lambda t: -t[1]))
     )
-    return by_cat, metrics["time/train_s"]
+    return by_cat, wall
 
 
 def _stop_ray(started: bool) -> None:

@@ -13,6 +13,7 @@ import torch
 from fp8rl.config import GRPOConfig
 from fp8rl.errors import UserError
 from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.train.step_profile import METRIC_PREFIX as TRAIN_MS
 from fp8rl.train.trainer import SequenceBatch, policy_batch_totals
 
 
@@ -122,23 +123,28 @@ class RolloutGroup:
             self.sleep_freed_bytes = sum(measured) if measured else None
 
 
-# policy_step metrics that are each rank's own (not its share of a global sum): the group reports the largest;
-# so are the profiled step's kernel times (fp8rl.train.step_profile), the busiest rank's per category
+# policy_step metrics that are each rank's own (not its share of a global sum): the group reports the largest
 PER_RANK_MAX = ("optimizer_offload_s", "cuda_alloc_retries")
-PER_RANK_MAX_PREFIXES = ("profile/",)
+PROFILE, NCCL = "profile/", TRAIN_MS + "nccl"  # a profiled step's metrics (fp8rl.train.step_profile)
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """One policy step's metrics from its ranks': each rank's loss and metrics are its exact share of the global
     ones (summed); the grad norm and lr are global (rank 0's); a rank's own costs (``PER_RANK_MAX``), paid by
-    all ranks at once, are the slowest rank's."""
-    keys = dict.fromkeys(k for m in per_rank for k in m)  # every rank's keys, in order (a profiled category
-    out = {k: sum(m.get(k, 0.0) for m in per_rank) for k in keys}  # may show on one rank only)
+    all ranks at once, are the slowest rank's; a profiled step's numbers are one rank's (below)."""
+    shared = [{k: v for k, v in m.items() if not k.startswith(PROFILE)} for m in per_rank]
+    keys = dict.fromkeys(k for m in shared for k in m)  # every rank's (a rank whose rows were all masked has fewer)
+    out = {k: sum(m.get(k, 0.0) for m in shared) for k in keys}
     for global_key in ("grad_norm", "lr"):
         out[global_key] = per_rank[0][global_key]
-    for key in out:
-        if key in PER_RANK_MAX or key.startswith(PER_RANK_MAX_PREFIXES):
+    for key in PER_RANK_MAX:
+        if key in out:
             out[key] = max(m.get(key, 0.0) for m in per_rank)
+    # a profiled step (fp8rl.train.step_profile): one rank's profile whole, the busiest's (most non-NCCL kernel time)
+    profiled = [m for m in per_rank if any(k.startswith(PROFILE) for k in m)]
+    if profiled:
+        busiest = max(profiled, key=lambda m: sum(v for k, v in m.items() if k.startswith(TRAIN_MS) and k != NCCL))
+        out.update({k: v for k, v in busiest.items() if k.startswith(PROFILE)})
     return out
 
 
@@ -204,7 +210,7 @@ class TrainerGroup:
         return combine_rank_metrics(per_rank)
 
     def profile_next_policy_step(self) -> None:
-        """Every rank profiles its next policy step (the group's metrics: the busiest rank's, per category)."""
+        """Every rank profiles its next policy step (the group reports one rank's: ``combine_rank_metrics``)."""
         self.calls.get([a.profile_next_policy_step.remote() for a in self.actors], self.names)
 
     def state_dict(self) -> dict[str, Any]:

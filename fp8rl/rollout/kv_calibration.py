@@ -100,7 +100,9 @@ class _Collector:
 
     def __init__(self, model: nn.Module, head_dim: int, quantile: float) -> None:
         self.head_dim, self.quantile = head_dim, quantile
-        self.mask: torch.Tensor | None = None  # [B, T] bool on the model's device, valid tokens of the micro-batch
+        # the micro-batch's valid tokens as flat indices into [B * T] on the model's device: a boolean mask would
+        # make every hook wait for the host to learn how many tokens it keeps
+        self.valid: torch.Tensor | None = None
         # (layer, q|k|v) -> [quantile, amax], kept where the activations are and read once at the end: a host
         # round trip per hooked projection and micro-batch would stall the forward 2 x 3 x layers times
         self.stats: dict[tuple[int, str], torch.Tensor] = {}
@@ -119,8 +121,8 @@ class _Collector:
 
     def _hook(self, key: tuple[int, str]) -> Callable[..., None]:
         def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
-            assert self.mask is not None
-            x = output[self.mask.to(output.device)]  # [tokens, ...] valid positions (mask already there: no copy)
+            assert self.valid is not None
+            x = output.flatten(0, 1).index_select(0, self.valid.to(output.device))  # [tokens, ...] valid positions
             values = rope_pair_norms(x, self.head_dim) if key[1] in "qk" else x.float().abs()
             amax = values.max() if values.numel() else torch.zeros((), device=values.device)
             stat = torch.stack([quantile_where_it_lives(values, self.quantile), amax.float()])
@@ -161,7 +163,7 @@ def calibrate_kv_scales(
         for start in range(0, input_ids.shape[0], rows):
             s = slice(start, start + rows)
             mask = attention_mask[s].to(device)
-            collector.mask = mask.bool()  # moved once here, not once per hooked module
+            collector.valid = mask.flatten().nonzero().squeeze(1)  # once here, not once per hooked module
             decoder(
                 input_ids=input_ids[s].to(device),
                 attention_mask=mask,
@@ -171,7 +173,14 @@ def calibrate_kv_scales(
     finally:
         collector.remove()
     keys = list(collector.stats)
-    read = dict(zip(keys, torch.stack([collector.stats[k] for k in keys]).tolist(), strict=True)) if keys else {}
+    stacked = torch.stack([collector.stats[k].to(device) for k in keys]) if keys else torch.zeros(0, 2)
+    read = dict(zip(keys, stacked.tolist(), strict=True))
+    bad = [f"layer {layer} {kind}" for (layer, kind), (quant, amax) in read.items() if not math.isfinite(amax + quant)]
+    if bad:
+        raise ValueError(
+            f"FP8 KV calibration: non-finite activations in {', '.join(bad[:4])}: the policy's weights have diverged "
+            "(NaN or inf); no scales can be set from them"
+        )
     out = {}
     for layer in sorted({layer for layer, _ in read}):
         q, k, v = (read.get((layer, kind), [0.0, 0.0]) for kind in "qkv")

@@ -6,10 +6,16 @@ they are -- cuBLAS/CUTLASS GEMMs, attention, FP8 quantization, the optimizer, NC
 RoPE, activations, casts, copies, the head's softmax).  That is the breakdown the step-time table cannot give:
 whether a recipe's train phase is bounded by its GEMMs (which FP8 speeds up) or by the rest (which it does not).
 On the CPU the same categories are taken from the aten ops' own CPU time, so the plumbing is testable there.
+
+Reading the numbers: they are sums of kernel time, not busy time -- NCCL kernels run beside compute on their own
+streams and include the time a rank waits for the others; "optimizer" also holds the other ``foreach`` kernels
+(under FSDP2 the all-gather's copy-in, and the gradient norm); the categories are name matches (``CATEGORIES``).
+A Ray trainer group reports one rank's profile, the rank with the most non-NCCL kernel time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +23,7 @@ from typing import Any
 import torch
 
 METRIC_PREFIX = "profile/train_ms/"
+WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profiler, without its post-processing)
 
 # (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -69,10 +76,13 @@ class StepProfile:
         if on_cuda:
             torch.cuda.synchronize(self.device)
         prof.start()
+        t0 = time.perf_counter()
         try:
             yield out
             if on_cuda:
                 torch.cuda.synchronize(self.device)
+            wall = time.perf_counter() - t0  # the step's own time, without the profiler's post-processing below
         finally:
             prof.stop()
         out.update({METRIC_PREFIX + k: v for k, v in device_ms_by_category(prof, on_cuda).items()})
+        out[WALL_KEY] = wall

@@ -13,7 +13,7 @@ import torch
 
 from fp8rl.cluster.groups import combine_rank_metrics
 from fp8rl.config import GRPOConfig
-from fp8rl.train.step_profile import METRIC_PREFIX, category
+from fp8rl.train.step_profile import METRIC_PREFIX, WALL_KEY, category
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 
@@ -59,17 +59,22 @@ def test_an_armed_policy_step_reports_its_kernel_time_and_is_the_same_step(tiny_
     times = {k.removeprefix(METRIC_PREFIX): v for k, v in armed.items() if k.startswith(METRIC_PREFIX)}
     assert times["gemm"] > 0 and times["other"] > 0 and times["optimizer"] >= 0
     assert not any(k.startswith(METRIC_PREFIX) for m in (first, after) for k in m)
+    assert armed[WALL_KEY] > 0
     for a, b in zip(plain, profiled_run, strict=True):  # the profiler watched; it changed nothing
-        b = {k: v for k, v in b.items() if not k.startswith(METRIC_PREFIX)}
+        b = {k: v for k, v in b.items() if not k.startswith("profile/")}
         assert a == b
 
 
-def test_a_trainer_group_reports_the_busiest_ranks_kernel_time() -> None:
+def test_a_trainer_group_reports_the_profile_of_its_busiest_rank_whole() -> None:
+    """The rank with the most non-NCCL kernel time gives every profile number (NCCL's largest is the rank that
+    waited longest); the other metrics are combined as before, whichever ranks have them."""
+    p = METRIC_PREFIX
     ranks = [
-        {"loss": 0.5, "grad_norm": 2.0, "lr": 1e-3, METRIC_PREFIX + "gemm": 10.0, METRIC_PREFIX + "other": 5.0},
-        {"loss": 0.25, "grad_norm": 2.0, "lr": 1e-3, METRIC_PREFIX + "gemm": 12.0, METRIC_PREFIX + "nccl": 3.0},
-    ]
+        {"loss": 0.5, "grad_norm": 2.0, "lr": 1e-3, p + "gemm": 10.0, p + "other": 5.0, p + "nccl": 9.0, WALL_KEY: 1.0},
+        {"loss": 0.25, "grad_norm": 2.0, "lr": 1e-3, "clip_frac": 0.5, p + "gemm": 12.0, p + "nccl": 1.0,
+         WALL_KEY: 1.1},
+    ]  # fmt: skip
     assert combine_rank_metrics(ranks) == {
-        "loss": 0.75, "grad_norm": 2.0, "lr": 1e-3, METRIC_PREFIX + "gemm": 12.0, METRIC_PREFIX + "other": 5.0,
-        METRIC_PREFIX + "nccl": 3.0,
+        "loss": 0.75, "grad_norm": 2.0, "lr": 1e-3, "clip_frac": 0.5, p + "gemm": 10.0, p + "other": 5.0,
+        p + "nccl": 9.0, WALL_KEY: 1.0,
     }  # fmt: skip
