@@ -37,4 +37,8 @@ def benchmark(
     run_id = log_to_recipe_run(ref, run_id, recipe, result.metrics(), kfp_tags(pipeline_name, kfp_run_id, "benchmark"))
     log_kfp_metrics(metrics, result.metrics())
     metrics.metadata["device_name"] = result.device_name
+    if result.train_profile_error:  # the timed numbers are logged above; the asked-for profile is not there
+        raise RuntimeError(
+            f"benchmark of {recipe}: profile_train: the profiled step failed: {result.train_profile_error}"
+        )
     return run_id

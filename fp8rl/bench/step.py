@@ -322,7 +322,7 @@ PROFILE_COLUMNS = ("gemm", "fp8_quantize", "attention", "optimizer", "nccl", "ot
 
 def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
     """``--profile-train``: each recipe's profiled policy step, kernel ms by category."""
-    profiled = [r for r in results if r.train_device_ms]
+    profiled = [r for r in results if r.train_device_ms or r.train_profile_error]
     if not profiled:
         return []
     lines = [
@@ -335,6 +335,10 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
         "|---|---|" + "---|" * (len(PROFILE_COLUMNS) + 1),
     ]
     for r in profiled:
+        if r.train_profile_error:
+            why = r.train_profile_error.splitlines()[0][:200].replace("|", "\\|")
+            lines.append(f"| {r.recipe} | failed: {why} |")
+            continue
         ms = r.train_device_ms or {}
         cells = " | ".join(f"{ms[c]:,.0f}" if c in ms else "-" for c in PROFILE_COLUMNS)
         train_s = f"{r.profiled_train_s:.2f}" if r.profiled_train_s is not None else "-"

@@ -6,6 +6,7 @@ imported only when the benchmark runs."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from fp8rl.errors import UserError
@@ -100,4 +101,8 @@ def main_with_args(args: argparse.Namespace) -> int:
     if not args.no_mlflow:
         run_id = log_to_mlflow(results, doc, files, work, args.experiment)
         print(f"MLflow comparison run {run_id} (experiment {args.experiment})")
-    return 0
+    failed = [r for r in results if r.train_profile_error]
+    for r in failed:
+        print(f"bench step: --profile-train: the profiled step of {r.recipe} failed: {r.train_profile_error}",
+              file=sys.stderr)  # fmt: skip
+    return 1 if failed else 0

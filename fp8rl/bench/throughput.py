@@ -104,6 +104,8 @@ class ThroughputResult:
     train_device_ms: dict[str, float] | None = None
     # the profiled policy step's wall seconds (under the profiler, which adds some: compare within the profile)
     profiled_train_s: float | None = None
+    # --profile-train: why the profiled step failed (its recipe's timed numbers stand; the CLI exits non-zero)
+    train_profile_error: str | None = None
 
     @property
     def idle_s(self) -> float:
@@ -157,7 +159,8 @@ def benchmark_recipe(
     updated as in training, so the timed steps are real steps. The bit-exact sync check
     (``cfg.verify_sync``) is turned off unless ``verify_sync``: it is a test of the sync, not part of its cost
     (with it, a mismatch fails the step and the check's time is part of the sync's).  ``profile_train``: one more
-    step after the timed ones, its policy step under the profiler (``train_device_ms``; not in the medians).
+    step after the timed ones, its policy step under the profiler (``train_device_ms``; not in the medians); if
+    that step fails, the error is in ``train_profile_error`` and the timed numbers are returned.
     """
     if steps < 1 or warmup_steps < 0:
         raise ValueError(f"need steps >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
@@ -173,7 +176,13 @@ def benchmark_recipe(
         timed = _run_steps(cfg, parts, steps, warmup_steps, cuda, log, gpu_peaks)
         per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks().items()} if gpu_peaks else {}
         local_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
-        profiled = _profiled_step(cfg, parts, warmup_steps + steps + 1, log) if profile_train else None
+        profiled, profile_error = None, None
+        if profile_train:
+            try:
+                profiled = _profiled_step(cfg, parts, warmup_steps + steps + 1, log)
+            except Exception as e:  # the timed steps are measured: keep them; the error goes in the result
+                profile_error = f"{type(e).__name__}: {e}"[:2000]
+                log(f"[{cfg.recipe.name}] the profiled step failed (the timed steps are kept): {profile_error}")
     finally:
         try:
             _close(parts)
@@ -197,6 +206,7 @@ def benchmark_recipe(
         gpu_peak_memory_gb=per_gpu or None,
         train_device_ms=profiled[0] if profiled else None,
         profiled_train_s=profiled[1] if profiled else None,
+        train_profile_error=profile_error,
         **medians,
     )
 

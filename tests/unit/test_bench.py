@@ -366,3 +366,31 @@ def test_bench_step_writes_each_recipe_as_measured_and_resumes(
     # without --resume the recipe is measured again and its file replaced
     assert main([*common, "--recipes", "bf16", "--max-tokens", "7"]) == 0
     assert json.loads(part.read_text())["result"]["response_tokens"] == 7
+
+
+def test_a_failed_profiled_step_keeps_the_timed_numbers_and_exits_non_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--profile-train`` runs after the timed steps: if it fails, the recipe's measured numbers are still written,
+    the error is in the result and the Markdown, and the command exits 1 saying which recipe's profile failed."""
+    import json
+
+    from fp8rl.cli import main
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("profiler start failed | in CUPTI")
+
+    monkeypatch.setattr(throughput, "_profiled_step", broken)
+    work = tmp_path / "work"
+    argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16", "--prompts", "2", "--samples", "2",
+            "--max-tokens", "8", "--steps", "1", "--warmup", "0", "--device", "cpu", "--work-dir", str(work),
+            "--profile-train", "--one-process", "--no-mlflow"]  # fmt: skip
+    assert main(argv) == 1
+    (r,) = json.loads((work / "bench-step" / "bench_step.json").read_text())["results"]
+    assert r["step_s"] > 0 and r["train_device_ms"] is None
+    assert r["train_profile_error"] == "RuntimeError: profiler start failed | in CUPTI"
+    table = (work / "bench-step" / "bench_step.md").read_text()
+    assert "| bf16 | failed: RuntimeError: profiler start failed \\| in CUPTI |" in table
+    captured = capsys.readouterr()
+    assert "the profiled step failed (the timed steps are kept)" in captured.out
+    assert "--profile-train: the profiled step of bf16 failed: RuntimeError" in captured.err
