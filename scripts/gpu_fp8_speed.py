@@ -69,17 +69,67 @@ def llama_1b() -> Any:
         return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
+def rl_batch(rows: int, response: int, seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """``rows`` random 128-token prompts with ``response``-token responses (every token valid): the batch, the
+    advantages and the loss mask."""
+    from fp8rl.train.trainer import build_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 128000, (128,), generator=g).tolist() for _ in range(rows)]
+    batch = build_batch(prompts, torch.randint(1, 128000, (rows, response), generator=g), torch.ones(rows, response), 0)
+    return batch, torch.randn(rows, generator=g), torch.ones(rows, response)
+
+
+def timed_phases(
+    trainer: TorchTrainer,
+    batch: Any,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    a: argparse.Namespace,
+    totals: tuple[float, float] | None = None,
+) -> tuple[list[tuple[float, float]], torch.Tensor, dict[str, float]]:
+    """``a.warmup`` + ``a.steps`` rounds of compute_logprobs then policy_step: the timed rounds' (logprob s, train
+    s), the first round's logprobs and the last policy step's metrics."""
+    from fp8rl.config import GRPOConfig
+
+    times: list[tuple[float, float]] = []
+    first: torch.Tensor | None = None
+    m: dict[str, float] = {}
+    for i in range(a.warmup + a.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        old = trainer.compute_logprobs(batch, 1.0)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        m = trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
+        torch.cuda.synchronize()
+        if i >= a.warmup:
+            times.append((t1 - t0, time.perf_counter() - t1))
+        first = old if first is None else first
+    assert first is not None
+    return times, first, m
+
+
+def torchrun_ranks() -> tuple[int, int, str]:
+    """(world size, rank, device): under ``torchrun`` the NCCL process group is made and this rank's GPU set."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world == 1:
+        return 1, 0, "cuda"
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    torch.cuda.set_device(device)
+    return world, rank, device
+
+
 def section_rl(a: argparse.Namespace) -> dict[str, Any]:
     """The RL train phase (logprob recompute + policy step) at 1B shape: BF16 vs FP8, eager vs CUDA graphs."""
-    from fp8rl.config import GRPOConfig
-    from fp8rl.train.trainer import TrainerOptions, build_batch
+    from fp8rl.train.trainer import TrainerOptions
 
     rows, prompt, response = a.rl_rows, 128, a.rl_response
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 128000, (prompt,), generator=g).tolist() for _ in range(rows)]
-    batch = build_batch(prompts, torch.randint(1, 128000, (rows, response), generator=g), torch.ones(rows, response), 0)
-    adv = torch.randn(rows, generator=g)
-    mask = torch.ones(rows, response)
+    batch, adv, mask = rl_batch(rows, response, 0)
     out: dict[str, Any] = {"rows": rows, "prompt": prompt, "response": response, "micro_batch_tokens": 4096,
                            "cuda_graph_width": a.graph_width}  # fmt: skip
     logprobs: dict[str, torch.Tensor] = {}
@@ -90,19 +140,7 @@ def section_rl(a: argparse.Namespace) -> dict[str, Any]:
             o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=4096, cuda_graphs=graphs,
                                cuda_graph_width=a.graph_width, compile_elementwise=a.compile_elementwise)  # fmt: skip
             trainer = TorchTrainer(llama_1b(), o, device="cuda")
-            times = []
-            for i in range(a.warmup + a.steps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                old = trainer.compute_logprobs(batch, 1.0)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                m = trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
-                torch.cuda.synchronize()
-                if i >= a.warmup:
-                    times.append((t1 - t0, time.perf_counter() - t1))
-                if i == 0:
-                    logprobs[name] = old
+            times, logprobs[name], m = timed_phases(trainer, batch, adv, mask, a)
             lp, tr = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
             out[name] = {"logprob_s": lp, "train_s": tr, "phase_s": lp + tr, "tokens_per_s": rows * response / (lp + tr),
                          "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "step_times_s": times,
@@ -213,30 +251,22 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
     layers, --rl-rows x (128 + --rl-response) tokens in micro-batches of --rl-mbt padded tokens, activation
     checkpointing; wall time of compute_logprobs and policy_step, and policy_step's device time by kernel category
     (one step under the CUDA profiler), BF16 vs FP8: where the train phase's time goes."""
-    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from fp8rl.config import GRPOConfig
-    from fp8rl.train.trainer import TrainerOptions, build_batch, policy_batch_totals
+    from fp8rl.train.trainer import TrainerOptions, policy_batch_totals
 
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    device = "cuda"
-    if world > 1:  # under torchrun: FSDP2 over the ranks (NCCL), each rank its share of the rows
-        if not dist.is_initialized():
-            dist.init_process_group("nccl")
-        device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(device)
-    rows, prompt, response = a.rl_rows // world, 128, a.rl_response
-    g = torch.Generator().manual_seed(rank)
-    prompts = [torch.randint(1, 128000, (prompt,), generator=g).tolist() for _ in range(rows)]
-    batch = build_batch(prompts, torch.randint(1, 128000, (rows, response), generator=g), torch.ones(rows, response), 0)
-    adv, mask = torch.randn(rows, generator=g), torch.ones(rows, response)
+    world, rank, device = torchrun_ranks()
+    rows, response = a.rl_rows // world, a.rl_response
+    batch, adv, mask = rl_batch(rows, response, rank)
     totals = policy_batch_totals(mask)  # every rank's share of the global loss, as the Ray trainer group passes it
     if world > 1:
+        import torch.distributed as dist
+
         t = torch.tensor(totals, dtype=torch.float64, device=device)
         dist.all_reduce(t)
         totals = (float(t[0]), float(t[1]))
-    out: dict[str, Any] = {"rows_per_rank": rows, "ranks": world, "prompt": prompt, "response": response,
+    out: dict[str, Any] = {"rows_per_rank": rows, "ranks": world, "prompt": 128, "response": response,
                            "layers": a.rl_layers, "micro_batch_tokens": a.rl_mbt,
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
     for precision in ("bf16", "fp8"):
@@ -245,17 +275,7 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
                            sharding="fsdp" if world > 1 else "replicate",
                            compile_elementwise=a.compile_elementwise)  # fmt: skip
         trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
-        times = []
-        for i in range(a.warmup + a.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            old = trainer.compute_logprobs(batch, 1.0)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
-            torch.cuda.synchronize()
-            if i >= a.warmup:
-                times.append((t1 - t0, time.perf_counter() - t1))
+        times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
             torch.cuda.synchronize()

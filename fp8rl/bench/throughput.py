@@ -27,7 +27,7 @@ from __future__ import annotations
 import platform
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 
 from fp8rl.config import RunConfig
 from fp8rl.loop import build_parts, rl_step, task_examples
+from fp8rl.tasks import Example
 from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
 from fp8rl.train.step_profile import WALL_KEY as STEP_PROFILE_WALL
 
@@ -173,22 +174,19 @@ def benchmark_recipe(
     parts, started_ray = _start(cfg, model_dir, device, log)
     gpu_peaks = getattr(parts, "gpu_peaks", None)  # Ray: each GPU's used memory, sampled by the actors
     try:
-        timed = _run_steps(cfg, parts, steps, warmup_steps, cuda, log, gpu_peaks)
+        train_pool, _ = task_examples(cfg)
+        timed = _run_steps(cfg, parts, train_pool, steps, warmup_steps, cuda, log, gpu_peaks)
         per_gpu = {gpu: used / 2**30 for gpu, used in gpu_peaks().items()} if gpu_peaks else {}
         local_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
-        profiled, profile_error = None, None
-        if profile_train:
-            try:
-                profiled = _profiled_step(cfg, parts, warmup_steps + steps + 1, log)
-            except Exception as e:  # the timed steps are measured: keep them; the error goes in the result
-                profile_error = f"{type(e).__name__}: {e}"[:2000]
-                log(f"[{cfg.recipe.name}] the profiled step failed (the timed steps are kept): {profile_error}")
+        profiled = _profiled_step(cfg, parts, train_pool, warmup_steps + steps + 1, log) if profile_train else {}
     finally:
         try:
             _close(parts)
         finally:
             _stop_ray(started_ray)
-    medians = {field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()}
+    medians: dict[str, Any] = {
+        field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()
+    }
     for key, field in OPTIONAL_STEP_METRICS.items():
         if all(key in m for m in timed):
             medians[field] = statistics.median(m[key] for m in timed)
@@ -204,9 +202,7 @@ def benchmark_recipe(
         warmup_steps=warmup_steps,
         peak_memory_gb=peak,
         gpu_peak_memory_gb=per_gpu or None,
-        train_device_ms=profiled[0] if profiled else None,
-        profiled_train_s=profiled[1] if profiled else None,
-        train_profile_error=profile_error,
+        **profiled,
         **medians,
     )
 
@@ -228,6 +224,7 @@ def _start(cfg: RunConfig, model_dir: str | Path, device: str, log: Callable[[st
 def _run_steps(
     cfg: RunConfig,
     parts: Any,
+    train_pool: Sequence[Example],
     steps: int,
     warmup_steps: int,
     cuda: bool,
@@ -236,7 +233,6 @@ def _run_steps(
 ) -> list[dict[str, float]]:
     """The warm-up and timed RL steps, each logged; the timed steps' metrics (the GPU peaks reset before them)."""
     rng = random.Random(cfg.seed)
-    train_pool, _ = task_examples(cfg)
     timed: list[dict[str, float]] = []
     for step in range(1, warmup_steps + steps + 1):
         if step == warmup_steps + 1 and gpu_peaks is not None:
@@ -257,21 +253,29 @@ def _run_steps(
     return timed
 
 
-def _profiled_step(cfg: RunConfig, parts: Any, step: int, log: Callable[[str], None]) -> tuple[dict[str, float], float]:
-    """One more RL step with the trainer's policy step under the profiler: its kernel ms by category, train s."""
+def _profiled_step(
+    cfg: RunConfig, parts: Any, train_pool: Sequence[Example], step: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """One more RL step with the trainer's policy step under the profiler: ``ThroughputResult``'s profile fields,
+    its kernel ms by category and wall seconds or, when it fails, the error (the timed steps before it stand)."""
     prefix = "train/" + STEP_PROFILE_PREFIX  # the trainer's metrics come back under train/
-    train_pool, _ = task_examples(cfg)
-    parts.trainer.profile_next_policy_step()
-    metrics = rl_step(cfg, parts, random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step), step)
-    by_cat = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
-    if not by_cat:
-        raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
-    wall = metrics["train/" + STEP_PROFILE_WALL]  # the policy step's own time, not the profiler's post-processing
+    try:
+        parts.trainer.profile_next_policy_step()
+        prompts = random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step)
+        metrics = rl_step(cfg, parts, prompts, step)
+        by_cat = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+        if not by_cat:
+            raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
+        wall = metrics["train/" + STEP_PROFILE_WALL]  # the policy step's own time, not the profiler's post-processing
+    except Exception as e:  # the timed steps are measured: keep them; the error goes in the result
+        error = f"{type(e).__name__}: {e}"[:2000]
+        log(f"[{cfg.recipe.name}] the profiled step failed (the timed steps are kept): {error}")
+        return {"train_profile_error": error}
     log(
         f"[{cfg.recipe.name}] bench step {step} (profiled, not timed): policy step {wall:.2f}s, "
         "kernel ms " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_cat.items(), key=lambda t: -t[1]))
     )
-    return by_cat, wall
+    return {"train_device_ms": by_cat, "profiled_train_s": wall}
 
 
 def _stop_ray(started: bool) -> None:

@@ -63,10 +63,10 @@ def rope_pair_norms(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def high_quantile(values: torch.Tensor, q: float) -> float:
     """The ``q`` quantile of ``values`` (k-th smallest, k = ceil(q * n)), on an even sample past 2^24 elements."""
-    return float(quantile_where_it_lives(values, q))
+    return float(quantile_on_device(values, q))
 
 
-def quantile_where_it_lives(values: torch.Tensor, q: float) -> torch.Tensor:
+def quantile_on_device(values: torch.Tensor, q: float) -> torch.Tensor:
     """``high_quantile`` as a 0-d float32 tensor on the values' device: no host round trip per call."""
     flat = values.detach().float().flatten()
     if flat.numel() == 0:
@@ -125,7 +125,7 @@ class _Collector:
             x = output.flatten(0, 1).index_select(0, self.valid.to(output.device))  # [tokens, ...] valid positions
             values = rope_pair_norms(x, self.head_dim) if key[1] in "qk" else x.float().abs()
             amax = values.max() if values.numel() else torch.zeros((), device=values.device)
-            stat = torch.stack([quantile_where_it_lives(values, self.quantile), amax.float()])
+            stat = torch.stack([quantile_on_device(values, self.quantile), amax.float()])
             old = self.stats.get(key)
             self.stats[key] = stat if old is None else torch.maximum(old, stat)
 

@@ -15,10 +15,11 @@ A Ray trainer group reports one rank's profile, the rank with the most non-NCCL 
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, Protocol
 
 import torch
 
@@ -86,3 +87,25 @@ class StepProfile:
             prof.stop()
         out.update({METRIC_PREFIX + k: v for k, v in device_ms_by_category(prof, on_cuda).items()})
         out[WALL_KEY] = wall
+
+
+class _Profiled(Protocol):
+    step_profile: StepProfile
+
+
+P = ParamSpec("P")
+
+
+def profiled_step(
+    step: Callable[Concatenate[Any, P], dict[str, float]],
+) -> Callable[Concatenate[Any, P], dict[str, float]]:
+    """A step method of an object with a ``step_profile``: when armed, the step runs under the profiler and its
+    metrics gain ``profile/...``; unarmed, the step as it is."""
+
+    @functools.wraps(step)
+    def wrapper(self: _Profiled, *args: P.args, **kwargs: P.kwargs) -> dict[str, float]:
+        with self.step_profile.around() as profiled:
+            out = step(self, *args, **kwargs)
+        return {**out, **profiled}
+
+    return wrapper

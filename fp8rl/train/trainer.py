@@ -42,7 +42,7 @@ from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 from fp8rl.train.step_memory import StepMemory
-from fp8rl.train.step_profile import StepProfile
+from fp8rl.train.step_profile import StepProfile, profiled_step
 from fp8rl.train.token_logprobs import token_logprobs
 
 SHARDINGS = ("replicate", "fsdp")
@@ -277,6 +277,7 @@ class TorchTrainer:
                 self.model.reshard()
 
     # ---- updates -------------------------------------------------------------------------------------
+    @profiled_step  # under the profiler when asked (profile_next_policy_step)
     def policy_step(
         self,
         batch: SequenceBatch,
@@ -296,52 +297,50 @@ class TorchTrainer:
         batch all ranks share, so its weighted loss and metrics are its exact part of the global
         ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
         """
-        with self.step_profile.around() as profiled:  # on request (profile_next_policy_step)
-            if totals is None:
-                totals = policy_batch_totals(loss_mask)
-            total_tokens, total_seqs = totals
-            sums: dict[str, float] = {}
-            loss_total = 0.0
-            self._tokens = [0.0, 0.0]
-            self.step_memory.start()
-            for sl in self.micro.slices(batch):
-                mb_mask = loss_mask[sl]
-                if float(mb_mask.sum()) == 0:
-                    if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
-                        self._padding_pass(batch, temperature).sum().mul(0.0).backward()
-                    continue
-                lp = self._response_logprobs(batch.slice(sl), temperature)
-                inp = PolicyLossInput(
-                    logprobs=lp,
-                    old_logprobs=old_logprobs[sl].to(self.device),
-                    advantages=advantages[sl].to(self.device),
-                    mask=mb_mask.to(self.device),
-                    is_weights=None if is_weights is None else is_weights[sl].to(self.device),
-                )
-                loss, metrics = policy_loss(inp, loss_cfg)
-                if loss_cfg.loss_agg == "token-mean":
-                    weight = float(mb_mask.sum()) / total_tokens
-                else:
-                    weight = float((mb_mask.sum(-1) > 0).sum()) / total_seqs
-                (loss * weight).backward()
-                self.optimizer.accumulate()
-                loss_total += float(loss.detach()) * weight
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v * weight
-                # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
-                # graph captured in that forward must not find the parameters' gradient nodes of this one alive
-                del lp, inp, loss
-            grad_norm = self._optimizer_step()
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            self.step_count += 1
-            computed, valid = self._tokens
-            out = {
-                **sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
-                "tokens_valid": valid, **(self.graphs.stats() if self.graphs is not None else {}),
-                **self.step_memory.metrics(),
-            }  # fmt: skip
-        return {**out, **profiled}
+        if totals is None:
+            totals = policy_batch_totals(loss_mask)
+        total_tokens, total_seqs = totals
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        self._tokens = [0.0, 0.0]
+        self.step_memory.start()
+        for sl in self.micro.slices(batch):
+            mb_mask = loss_mask[sl]
+            if float(mb_mask.sum()) == 0:
+                if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
+                    self._padding_pass(batch, temperature).sum().mul(0.0).backward()
+                continue
+            lp = self._response_logprobs(batch.slice(sl), temperature)
+            inp = PolicyLossInput(
+                logprobs=lp,
+                old_logprobs=old_logprobs[sl].to(self.device),
+                advantages=advantages[sl].to(self.device),
+                mask=mb_mask.to(self.device),
+                is_weights=None if is_weights is None else is_weights[sl].to(self.device),
+            )
+            loss, metrics = policy_loss(inp, loss_cfg)
+            if loss_cfg.loss_agg == "token-mean":
+                weight = float(mb_mask.sum()) / total_tokens
+            else:
+                weight = float((mb_mask.sum(-1) > 0).sum()) / total_seqs
+            (loss * weight).backward()
+            self.optimizer.accumulate()
+            loss_total += float(loss.detach()) * weight
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * weight
+            # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
+            # graph captured in that forward must not find the parameters' gradient nodes of this one alive
+            del lp, inp, loss
+        grad_norm = self._optimizer_step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step_count += 1
+        computed, valid = self._tokens
+        return {
+            **sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
+            "tokens_valid": valid, **(self.graphs.stats() if self.graphs is not None else {}),
+            **self.step_memory.metrics(),
+        }  # fmt: skip
 
     def profile_next_policy_step(self) -> None:
         """The next ``policy_step`` runs under the profiler; its metrics add ``profile/train_ms/<category>``

@@ -376,11 +376,12 @@ def test_a_failed_profiled_step_keeps_the_timed_numbers_and_exits_non_zero(
     import json
 
     from fp8rl.cli import main
+    from fp8rl.train.trainer import TorchTrainer
 
     def broken(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("profiler start failed | in CUPTI")
 
-    monkeypatch.setattr(throughput, "_profiled_step", broken)
+    monkeypatch.setattr(TorchTrainer, "profile_next_policy_step", broken)
     work = tmp_path / "work"
     argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16", "--prompts", "2", "--samples", "2",
             "--max-tokens", "8", "--steps", "1", "--warmup", "0", "--device", "cpu", "--work-dir", str(work),
