@@ -148,17 +148,6 @@ class SamplingConfig(_Strict):
     ignore_eos: bool = False
 
 
-# seen on two H200s (docs/benchmarks.md, 2026-11-25): the backward's recompute of a checkpointed layer ran the
-# norms eagerly and saved other tensors than the compiled forward had, and torch.utils.checkpoint stopped the step.
-# The compiled parts are now autograd.Functions that save only what they name (fp8rl.train.compiled), which passes
-# under checkpointing on the CPU; the config keeps refusing the combination until it has run on a GPU
-# (tests/gpu/test_compiled_trainer_cuda.py, the "recomputed" cases; TrainerOptions accepts it for that test).
-COMPILE_WITH_CHECKPOINTING = (
-    "optim.compile_elementwise cannot yet be combined with optim.activation_checkpointing: it failed in the "
-    "backward on CUDA, and the fix has not run on a GPU yet; turn one of them off"
-)
-
-
 class OptimConfig(_Strict):
     # tuned on the tiny model (docs/rl.md); billion-parameter LLMs use ~1e-6 (veRL, NeMo RL GRPO recipes)
     lr: float = Field(1e-4, gt=0.0)
@@ -186,12 +175,6 @@ class OptimConfig(_Strict):
     cuda_graphs: bool = False
     cuda_graph_width: int = Field(128, ge=16)
     cuda_graph_shapes: int = Field(2, ge=1)
-
-    @model_validator(mode="after")
-    def _compile_without_recompute(self) -> OptimConfig:
-        if self.compile_elementwise and self.activation_checkpointing:
-            raise ValueError(COMPILE_WITH_CHECKPOINTING)
-        return self
 
 
 class _PromptOptions(_Strict):

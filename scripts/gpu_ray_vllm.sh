@@ -28,7 +28,12 @@
 #                                                        (PROMPTS_8B), AdamW's moments offloaded, a vLLM worker per
 #                                                        GPU (CONFIG_8B, default
 #                                                        docs/configs/bench-vllm-ray-fsdp-8b.yaml); SET_8B adds
-#                                                        flags (e.g. "--set ray.sleep_after_sync=false"); kvbudget (not
+#                                                        flags (e.g. "--set ray.sleep_after_sync=false"), COMPILE_8B=auto
+#                                                        adds optim.compile_elementwise when the compile part passed;
+#                                                        compile (not in the default) = tests/gpu/test_compiled_trainer_cuda.py;
+#                                                        rollout8b (not in the default) = gpu_vllm_overhead.py at
+#                                                        llama-8b, ROLLOUT_GPU0 (fp8,fp8-row) on GPU 0 and ROLLOUT_GPU1
+#                                                        (fp8-row-kv,bf16) on GPU 1 at once, the bench's checkpoint; kvbudget (not
 #                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
 #                                                        the whole batch, then on 16k tokens of it
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
@@ -123,9 +128,22 @@ case $step in
                    wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
-          fsdp8b) job="$job; echo PART fsdp8b; $(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
+          compile) job="$job; echo PART compile; python3 -m pytest -q -rA -p no:cacheprovider \
+                   tests/gpu/test_compiled_trainer_cuda.py > $RES/pytest_compile.log 2>&1 && touch $RES/compile_ok; \
+                   grep -h 'passed\|failed\|Error' $RES/pytest_compile.log | cut -c1-240 | tail -n 12";;
+          fsdp8b) c8=""; [ "${COMPILE_8B:-}" = auto ] && c8='$([ -e '$RES'/compile_ok ] && echo --set optim.compile_elementwise=true)'
+                 job="$job; echo PART fsdp8b $c8; $(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
                    "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
-                   ${SET_8B:-}";;
+                   ${SET_8B:-} $c8";;
+          rollout8b) V0=${ROLLOUT_GPU0:-fp8,fp8-row}; V1=${ROLLOUT_GPU1:-fp8-row-kv,bf16}
+                 A="--shape llama-8b --modes fp8rl --long-tokens 0 --profile-tokens 128 ${ARGS:-}"
+                 job="$job; echo PART rollout8b; mkdir -p $RES/rollout8b/gpu0 $RES/rollout8b/gpu1; \
+                   python3 -c 'from fp8rl.bench.step import make_shape_model as m; m(\"llama-8b\", \"/tmp/work/bench-models/llama-8b\", \"cuda\")'; \
+                   CUDA_VISIBLE_DEVICES=0 OUT=$RES/rollout8b/gpu0 FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py \
+                      $A --variants $V0 > $RES/rollout8b/gpu0/run.log 2>&1 & \
+                   CUDA_VISIBLE_DEVICES=1 OUT=$RES/rollout8b/gpu1 FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py \
+                      $A --variants $V1 > $RES/rollout8b/gpu1/run.log 2>&1 & \
+                   wait; grep -h 'fp8rl (repeat\|profile\|FAILED\|up in\|checkpoint in' $RES/rollout8b/*/run.log | cut -c1-300";;
           kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml docs/configs/fp8-e2e-kv.yaml \
                    $RES/kv-all "${SPLIT_SHAPE:-llama-1b}"); $(bench docs/configs/bench-vllm-ray-split.yaml \
                    docs/configs/fp8-e2e-kv.yaml $RES/kv-16k "${SPLIT_SHAPE:-llama-1b}") \

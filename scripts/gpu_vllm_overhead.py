@@ -17,6 +17,13 @@ built with the engine's keyword arguments, no in-place reload), so the frontend'
 the GPU.  On two H100s it measured the same ~8 ms host floor as fp8rl's in-process engine (docs/benchmarks.md, "Two
 GPUs").  No profile there (the kernels run in the other process).  ``--modes`` picks some of the modes.
 
+``--shape llama-8b`` (or another ``fp8rl bench step`` shape) serves that shape's random checkpoint instead
+(``<FP8RL_GPU_WORK>/bench-models/<shape>``: the bench's own, reused when ``FP8RL_GPU_WORK`` is its ``--work-dir``).
+The ``fp8-row`` and ``fp8-row-kv`` variants serve per-channel FP8 weights with dynamic per-token activation scales
+(the compressed-tensors checkpoint ``fp8rl convert`` writes for ``granularity: row``; vLLM's W8A8 CUTLASS GEMM)
+from a bare ``vllm.LLM`` with the engine's keyword arguments (fp8rl's engine serves block FP8 only, so no
+in-place reload here): does the other FP8 layout cut the decode step's activation quantization?
+
 Writes $OUT/gpu_vllm_overhead.json.
 """
 
@@ -48,8 +55,10 @@ MODES = {  # name: (a seed per request, the sampled token's logprob, as vLLM's f
 }
 
 
-class ProcessEngine:
-    """``vllm.LLM`` with its engine core in another process, built as fp8rl's engine builds it in-process."""
+class BareEngine:
+    """``vllm.LLM`` built with the keyword arguments of fp8rl's engine, without fp8rl's engine around it: with
+    the engine core in another process (``--engine-process``), or serving a checkpoint fp8rl's engine refuses
+    (per-channel FP8: vLLM reads its compressed-tensors config, so no ``quantization`` argument)."""
 
     def __init__(self, model_dir: Any, recipe: Any, rollout: Any) -> None:
         import vllm
@@ -58,12 +67,23 @@ class ProcessEngine:
 
         t0 = time.perf_counter()
         self._vllm = vllm
-        self.llm = vllm.LLM(**vllm_engine_kwargs(model_dir, recipe, rollout))
-        print(f"vLLM engine (own process) up in {time.perf_counter() - t0:.1f}s", flush=True)
+        kwargs = vllm_engine_kwargs(model_dir, recipe, rollout)
+        if recipe.quant.granularity != "block":
+            kwargs["quantization"] = None
+        self.llm = vllm.LLM(**kwargs)
+        where = "own process" if ENGINE_PROCESS else "in-process, bare"
+        print(f"vLLM engine ({where}) up in {time.perf_counter() - t0:.1f}s", flush=True)
 
     def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        from fp8rl.rollout import vllm_patches
+
+        if ENGINE_PROCESS:
+            self.llm.llm_engine.engine_core.shutdown()
+        else:
+            vllm_patches.shutdown(self.llm)
         del self.llm
+        if not ENGINE_PROCESS:
+            vllm_patches.release_memory()
 
 
 def category(kernel: str) -> str:
@@ -79,14 +99,29 @@ def category(kernel: str) -> str:
     return "other"
 
 
-def roofline(variant: str, batch: int, prompt: int, tokens: int, bandwidth: float) -> dict[str, float]:
-    c = QWEN3B
+def shape_dims(shape: str) -> dict[str, int]:
+    """The model dimensions of ``--shape`` (qwen3b: gpu_vllm_throughput's; else fp8rl.bench.step.SHAPES)."""
+    if shape == "qwen3b":
+        return dict(QWEN3B)
+    from fp8rl.bench.step import SHAPES
+
+    s = SHAPES[shape]
+    return {"hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
+            "num_key_value_heads": s.num_key_value_heads, "head_dim": s.hidden_size // s.num_attention_heads,
+            "vocab_size": s.vocab_size}  # fmt: skip
+
+
+def roofline(
+    c: dict[str, int], variant: str, batch: int, prompt: int, tokens: int, bandwidth: float
+) -> dict[str, float]:
+    """Bytes a decode step must read (every linear weight, the lm_head, the mean context's KV cache) at ``bandwidth``."""
     h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
-    head = c["vocab_size"] * h  # tied: the embedding is read as the lm_head every step
+    head = c["vocab_size"] * h  # the lm_head (tied or not) is read in bf16 every step
     weight_bytes = linear * (1 if variant != "bf16" else 2) + head * 2
-    kv_elem = 1 if variant == "fp8-kv" else 2
+    kv_elem = 1 if variant.endswith("-kv") else 2
     mean_context = prompt + tokens / 2
     kv_bytes = batch * mean_context * layers * 2 * kv * kv_elem
     return {
@@ -189,9 +224,42 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
         print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
 
 
+VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv")
+
+
+def variant_recipe(variant: str) -> Any:
+    """The rollout recipe of a variant: bf16, block FP8 (fp8-rollout), per-channel FP8 (granularity row); -kv: FP8 KV."""
+    from fp8rl.config import load_recipe
+
+    recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
+    if variant.startswith("fp8-row"):
+        recipe = recipe.model_copy(update={"quant": recipe.quant.model_copy(update={"granularity": "row"})})
+    if variant.endswith("-kv"):
+        recipe = recipe.model_copy(update={"kv_cache": "fp8"})
+    return recipe
+
+
+def row_checkpoint(src: Any, recipe: Any, dst: Any) -> Any:
+    """``src`` converted to per-channel FP8 (compressed-tensors) at ``dst``, once; a process that finds another
+    one's finished conversion there uses it."""
+    from fp8rl.atomic import OutputExistsError
+    from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
+
+    if not (dst / "config.json").is_file():
+        t0 = time.perf_counter()
+        try:
+            convert_checkpoint(src, dst, ConvertOptions.from_recipe(recipe), show_progress=False)
+        except (OutputExistsError, OSError):
+            if not (dst / "config.json").is_file():
+                raise
+        print(f"per-channel FP8 checkpoint in {time.perf_counter() - t0:.1f}s: {dst}", flush=True)
+    return dst
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="bf16,fp8,fp8-kv")
+    p.add_argument("--variants", default="bf16,fp8,fp8-kv", help="of bf16, fp8, fp8-kv, fp8-row, fp8-row-kv")
+    p.add_argument("--shape", default="qwen3b", help="qwen3b, or a shape of fp8rl bench step (e.g. llama-8b)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--long-batch", type=int, default=128)
@@ -209,7 +277,7 @@ def main() -> None:
     import torch
 
     from fp8rl.bench.kernels import copy_bandwidth_gbs
-    from fp8rl.config import RolloutConfig, load_recipe
+    from fp8rl.config import RolloutConfig
 
     results = start_report()
     out = OUT / "gpu_vllm_overhead.json"
@@ -217,25 +285,39 @@ def main() -> None:
     results.update(copy_bandwidth_gb_s=bw / 1e9, batch=args.batch, max_tokens=args.max_tokens, variants={})
     results.update(long_batch=args.long_batch, long_tokens=args.long_tokens)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)
-    fp8_dir = write_random_3b(WORK / "qwen3b-fp8", fp8=True)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    dims = shape_dims(args.shape)
+    results.update(shape=args.shape, dims=dims)
+    if args.shape == "qwen3b":
+        bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)
+        fp8_dir = write_random_3b(WORK / "qwen3b-fp8", fp8=True)
+    else:  # the bench's random checkpoint; fp8rl's engine converts it to block FP8 under WORK / "o"
+        from fp8rl.bench.step import make_shape_model
+
+        bf16_dir = fp8_dir = make_shape_model(args.shape, WORK / "bench-models" / args.shape, "cuda")
     model_len = 64 + max(args.max_tokens, args.long_tokens) + 64
     rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.55, enforce_eager=False, max_model_len=model_len)
     gen = torch.Generator().manual_seed(0)
-    prompts_ids = torch.randint(10, 150_000, (max(args.batch, args.long_batch), 64), generator=gen).tolist()
+    vocab = min(150_000, dims["vocab_size"] - 1)
+    prompts_ids = torch.randint(10, vocab, (max(args.batch, args.long_batch), 64), generator=gen).tolist()
     for variant in args.variants.split(","):
-        recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
-        if variant == "fp8-kv":
-            recipe = recipe.model_copy(update={"kv_cache": "fp8"})
-        model_dir = bf16_dir if variant == "bf16" else fp8_dir
-        if ENGINE_PROCESS:
-            e = ProcessEngine(model_dir, recipe, rollout)
+        recipe = variant_recipe(variant)
+        if variant.startswith("fp8-row"):
+            model_dir = row_checkpoint(bf16_dir, recipe, WORK / f"{args.shape}-fp8-row")
+        else:
+            model_dir = bf16_dir if variant == "bf16" else fp8_dir
+        if ENGINE_PROCESS or variant.startswith("fp8-row"):
+            e = BareEngine(model_dir, recipe, rollout)
         else:
             e = engine(model_dir, recipe, WORK / "o", rollout=rollout)
         entry: dict[str, Any] = {"kernels": {} if ENGINE_PROCESS else kernel_names(e), "modes": {}, "long": {}}
-        entry.update(engine_process=ENGINE_PROCESS, roofline=roofline(variant, args.batch, 64, args.max_tokens, bw))
+        entry.update(
+            engine_process=ENGINE_PROCESS, roofline=roofline(dims, variant, args.batch, 64, args.max_tokens, bw)
+        )
         if args.long_tokens:
-            entry["long_roofline"] = roofline(variant, args.long_batch, 64, args.long_tokens, bw)
+            entry["long_roofline"] = roofline(dims, variant, args.long_batch, 64, args.long_tokens, bw)
         results["variants"][variant] = entry
         try:
             measure(e, variant, args, prompts_ids, entry, save=lambda: out.write_text(json.dumps(results, indent=1)))

@@ -158,14 +158,15 @@ def test_every_shipped_config_file_parses() -> None:
         assert parse_run_config(data, str(path)) is not None
 
 
-def test_compiled_elementwise_with_activation_checkpointing_is_refused_by_the_config() -> None:
-    """The combination failed in the backward on two H200s; the fix (the compiled parts as autograd.Functions)
-    passes on the CPU (tests/unit/test_compiled_elementwise.py) but has not run on a GPU: the config refuses it,
-    naming both options, while the trainer's options accept it for the GPU test that will decide."""
+def test_compiled_elementwise_combines_with_activation_checkpointing() -> None:
+    """Refused until the compiled parts (autograd.Functions) passed under checkpointing on a GPU
+    (tests/gpu/test_compiled_trainer_cuda.py, two H200s on 2026-11-26); now a config and the trainer's options
+    take both, and the run config carries them to the trainer."""
     from fp8rl.config import OptimConfig
-    from fp8rl.train.trainer import TrainerOptions
+    from fp8rl.loop import trainer_options
 
-    with pytest.raises(ValueError, match="compile_elementwise.*activation_checkpointing"):
-        OptimConfig(compile_elementwise=True, activation_checkpointing=True)
-    assert OptimConfig(compile_elementwise=True).compile_elementwise
-    assert TrainerOptions(compile_elementwise=True, activation_checkpointing=True).activation_checkpointing
+    optim = OptimConfig(compile_elementwise=True, activation_checkpointing=True)
+    assert optim.compile_elementwise and optim.activation_checkpointing
+    cfg = parse_run_config({"recipe": E2E, "optim": {"compile_elementwise": True, "activation_checkpointing": True}})
+    opts = trainer_options(cfg)
+    assert opts.compile_elementwise and opts.activation_checkpointing
