@@ -339,6 +339,13 @@ class RolloutConfig(_Strict):
     # vllm + kv_cache fp8: calibrate on evenly spaced rows of the step's batch holding about this many tokens
     # (the recalibration is a forward of the policy, so its time grows with the batch); None: the whole batch
     kv_calibration_tokens: int | None = Field(None, ge=1)
+    # FP8 rollouts: how the served weights are scaled. recipe: as recipe.quant says (the trainer's scaling);
+    # channel: one scale per output channel, activations scaled per token on the fly (vLLM's W8A8 CUTLASS GEMM,
+    # its compile passes fold that quantization into the norms and the SiLU gate; at Llama-3.1-8B shape on an
+    # H200 1.11x block FP8's decode, docs/benchmarks.md). The trainer keeps recipe.quant; every sync requantizes
+    # the weights for the rollout anyway (rollout_recipe). BF16 rollouts ignore it, so one config serves a
+    # comparison of bf16 and FP8 recipes
+    fp8_scaling: Literal["recipe", "channel"] = "recipe"
 
 
 class RunConfig(_Strict):
@@ -378,21 +385,35 @@ class RunConfig(_Strict):
                 "ray.trainer_sharding 'fsdp' shards the torch trainer only (recipe.trainer 'torch'); "
                 "the TransformerEngine trainer runs replicated"
             )
-        problem = vllm_recipe_problem(self.recipe) if self.rollout.engine == "vllm" else None
+        served = rollout_recipe(self.recipe, self.rollout)
+        problem = vllm_recipe_problem(served) if self.rollout.engine == "vllm" else None
         if problem:
             raise ValueError(problem)
         return self
 
 
+def rollout_recipe(recipe: Recipe, rollout: RolloutConfig) -> Recipe:
+    """``recipe`` as the rollout engine serves it: with ``rollout.fp8_scaling: channel`` its quant granularity is
+    ``row`` (per output channel, ``fp8rl.quant``'s name), whatever the trainer's; otherwise ``recipe`` itself.
+    The engine's checkpoint, its FP8 modules and every sync's requantization follow this recipe."""
+    if rollout.fp8_scaling == "channel" and recipe.rollout_precision == "fp8":
+        return recipe.model_copy(update={"quant": recipe.quant.model_copy(update={"granularity": "row"})})
+    return recipe
+
+
 def vllm_recipe_problem(recipe: Recipe) -> str | None:
-    """Why vLLM cannot serve ``recipe`` (it serves bf16, and FP8 as 128x128 / 1x128 block scaling), or None."""
+    """Why vLLM cannot serve ``recipe``, or None: it serves bf16, and FP8 as 128x128 / 1x128 block scaling or
+    per-channel (``row``) weight scales with per-token activation scales (compressed-tensors W8A8)."""
     if recipe.rollout_precision != "fp8":
         return None
     q = recipe.quant
+    if q.granularity == "row":
+        return None
     if q.granularity != "block":
         return (
-            f"rollout.engine 'vllm' serves FP8 as block scaling only; recipe {recipe.name!r} has "
-            f"recipe.quant.granularity {q.granularity!r} (use 'block', or rollout.engine 'torch')"
+            f"rollout.engine 'vllm' serves FP8 as block or per-channel scaling; recipe {recipe.name!r} has "
+            f"recipe.quant.granularity {q.granularity!r} (use 'block' or 'row', rollout.fp8_scaling 'channel', "
+            "or rollout.engine 'torch')"
         )
     if not q.fixed_128_blocks:
         return (

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig
+from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig, rollout_recipe
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
@@ -73,7 +73,13 @@ class RLResult:
 
 
 def quant_spec(cfg: RunConfig) -> QuantSpec:
+    """The trainer's FP8 scaling (``recipe.quant``)."""
     return cfg.recipe.quant.spec()
+
+
+def rollout_quant_spec(cfg: RunConfig) -> QuantSpec:
+    """The rollout engine's FP8 scaling, which every sync requantizes to (``rollout.fp8_scaling``)."""
+    return rollout_recipe(cfg.recipe, cfg.rollout).quant.spec()
 
 
 class Parts(Protocol):
@@ -185,11 +191,12 @@ def build_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalEng
 
 
 def build_torch_engine(cfg: RunConfig, model_dir: str | Path, device: str) -> TorchRolloutEngine:
-    """The built-in engine serving ``model_dir`` with the recipe's rollout precision and scaling."""
+    """The built-in engine serving ``model_dir`` with the recipe's rollout precision and the rollout's scaling."""
     q = cfg.recipe.quant
     return TorchRolloutEngine(
-        model_dir, cfg.recipe.rollout_precision, quant_spec(cfg), q.bf16_first_layers, q.bf16_last_layers, device
-    )
+        model_dir, cfg.recipe.rollout_precision, rollout_quant_spec(cfg), q.bf16_first_layers, q.bf16_last_layers,
+        device,
+    )  # fmt: skip
 
 
 def build_trainer(cfg: RunConfig, model_dir: str | Path, device: str) -> TorchTrainer:
@@ -206,7 +213,7 @@ def build_parts(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalPart
     engine = build_engine(cfg, model_dir, device)
     trainer = build_trainer(cfg, model_dir, device)
     names = {m + ".weight" for m in engine.fp8_modules}
-    sync = InProcessWeightSync(engine, names, quant_spec(cfg), verify=cfg.verify_sync)
+    sync = InProcessWeightSync(engine, names, rollout_quant_spec(cfg), verify=cfg.verify_sync)
     bf16_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
     return LocalParts(load_tokenizer(model_dir), engine, trainer, sync, bf16_bytes)
 

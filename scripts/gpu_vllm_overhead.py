@@ -20,9 +20,9 @@ GPUs").  No profile there (the kernels run in the other process).  ``--modes`` p
 ``--shape llama-8b`` (or another ``fp8rl bench step`` shape) serves that shape's random checkpoint instead
 (``<FP8RL_GPU_WORK>/bench-models/<shape>``: the bench's own, reused when ``FP8RL_GPU_WORK`` is its ``--work-dir``).
 The ``fp8-row`` and ``fp8-row-kv`` variants serve per-channel FP8 weights with dynamic per-token activation scales
-(the compressed-tensors checkpoint ``fp8rl convert`` writes for ``granularity: row``; vLLM's W8A8 CUTLASS GEMM)
-from a bare ``vllm.LLM`` with the engine's keyword arguments (fp8rl's engine serves block FP8 only, so no
-in-place reload here): does the other FP8 layout cut the decode step's activation quantization?
+(``rollout.fp8_scaling: channel``: the compressed-tensors checkpoint ``fp8rl convert`` writes for ``granularity:
+row``; vLLM's W8A8 CUTLASS GEMM).  On 2026-11-26 they ran on a bare ``vllm.LLM`` with the engine's keyword
+arguments, before fp8rl's engine served that layout; they run on fp8rl's engine now.
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -55,35 +55,23 @@ MODES = {  # name: (a seed per request, the sampled token's logprob, as vLLM's f
 }
 
 
-class BareEngine:
-    """``vllm.LLM`` built with the keyword arguments of fp8rl's engine, without fp8rl's engine around it: with
-    the engine core in another process (``--engine-process``), or serving a checkpoint fp8rl's engine refuses
-    (per-channel FP8: vLLM reads its compressed-tensors config, so no ``quantization`` argument)."""
+class ProcessEngine:
+    """``vllm.LLM`` with its engine core in another process, built as fp8rl's engine builds it in-process."""
 
     def __init__(self, model_dir: Any, recipe: Any, rollout: Any) -> None:
         import vllm
 
+        from fp8rl.config import rollout_recipe
         from fp8rl.rollout.vllm_engine import vllm_engine_kwargs
 
         t0 = time.perf_counter()
         self._vllm = vllm
-        kwargs = vllm_engine_kwargs(model_dir, recipe, rollout)
-        if recipe.quant.granularity != "block":
-            kwargs["quantization"] = None
-        self.llm = vllm.LLM(**kwargs)
-        where = "own process" if ENGINE_PROCESS else "in-process, bare"
-        print(f"vLLM engine ({where}) up in {time.perf_counter() - t0:.1f}s", flush=True)
+        self.llm = vllm.LLM(**vllm_engine_kwargs(model_dir, rollout_recipe(recipe, rollout), rollout))
+        print(f"vLLM engine (own process) up in {time.perf_counter() - t0:.1f}s", flush=True)
 
     def close(self) -> None:
-        from fp8rl.rollout import vllm_patches
-
-        if ENGINE_PROCESS:
-            self.llm.llm_engine.engine_core.shutdown()
-        else:
-            vllm_patches.shutdown(self.llm)
+        self.llm.llm_engine.engine_core.shutdown()
         del self.llm
-        if not ENGINE_PROCESS:
-            vllm_patches.release_memory()
 
 
 def category(kernel: str) -> str:
@@ -228,32 +216,13 @@ VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv")
 
 
 def variant_recipe(variant: str) -> Any:
-    """The rollout recipe of a variant: bf16, block FP8 (fp8-rollout), per-channel FP8 (granularity row); -kv: FP8 KV."""
+    """The rollout recipe of a variant: bf16 or fp8-rollout (block FP8); -kv: with the FP8 KV cache."""
     from fp8rl.config import load_recipe
 
     recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
-    if variant.startswith("fp8-row"):
-        recipe = recipe.model_copy(update={"quant": recipe.quant.model_copy(update={"granularity": "row"})})
     if variant.endswith("-kv"):
         recipe = recipe.model_copy(update={"kv_cache": "fp8"})
     return recipe
-
-
-def row_checkpoint(src: Any, recipe: Any, dst: Any) -> Any:
-    """``src`` converted to per-channel FP8 (compressed-tensors) at ``dst``, once; a process that finds another
-    one's finished conversion there uses it."""
-    from fp8rl.atomic import OutputExistsError
-    from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
-
-    if not (dst / "config.json").is_file():
-        t0 = time.perf_counter()
-        try:
-            convert_checkpoint(src, dst, ConvertOptions.from_recipe(recipe), show_progress=False)
-        except (OutputExistsError, OSError):
-            if not (dst / "config.json").is_file():
-                raise
-        print(f"per-channel FP8 checkpoint in {time.perf_counter() - t0:.1f}s: {dst}", flush=True)
-    return dst
 
 
 def main() -> None:
@@ -277,7 +246,7 @@ def main() -> None:
     import torch
 
     from fp8rl.bench.kernels import copy_bandwidth_gbs
-    from fp8rl.config import RolloutConfig
+    from fp8rl.config import RolloutConfig, rollout_recipe
 
     results = start_report()
     out = OUT / "gpu_vllm_overhead.json"
@@ -304,14 +273,16 @@ def main() -> None:
     prompts_ids = torch.randint(10, vocab, (max(args.batch, args.long_batch), 64), generator=gen).tolist()
     for variant in args.variants.split(","):
         recipe = variant_recipe(variant)
-        if variant.startswith("fp8-row"):
-            model_dir = row_checkpoint(bf16_dir, recipe, WORK / f"{args.shape}-fp8-row")
+        # fp8-row: per-channel, converted by the engine from BF16 (the qwen3b FP8 checkpoint is block)
+        served = rollout.model_copy(update={"fp8_scaling": "channel" if variant.startswith("fp8-row") else "recipe"})
+        model_dir = bf16_dir if variant == "bf16" or variant.startswith("fp8-row") else fp8_dir
+        if ENGINE_PROCESS:
+            from fp8rl.rollout.vllm_weights import serving_checkpoint
+
+            model_dir = serving_checkpoint(model_dir, rollout_recipe(recipe, served), WORK / "o")
+            e = ProcessEngine(model_dir, recipe, served)
         else:
-            model_dir = bf16_dir if variant == "bf16" else fp8_dir
-        if ENGINE_PROCESS or variant.startswith("fp8-row"):
-            e = BareEngine(model_dir, recipe, rollout)
-        else:
-            e = engine(model_dir, recipe, WORK / "o", rollout=rollout)
+            e = engine(model_dir, recipe, WORK / "o", rollout=served)
         entry: dict[str, Any] = {"kernels": {} if ENGINE_PROCESS else kernel_names(e), "modes": {}, "long": {}}
         entry.update(
             engine_process=ENGINE_PROCESS, roofline=roofline(dims, variant, args.batch, 64, args.max_tokens, bw)

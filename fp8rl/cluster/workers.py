@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
 from fp8rl.config import GRPOConfig, parse_run_config
-from fp8rl.loop import build_engine, build_trainer, quant_spec
+from fp8rl.loop import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
@@ -193,7 +193,7 @@ class TrainerWorker(_PeakMemory):
 
     def _requantized(self, weights: dict[str, torch.Tensor], fp8_names: list[str]) -> Payload:
         """``weights`` requantized with the rollout recipe: what every sync transport sends."""
-        return requantize_for_rollout(weights, set(fp8_names), quant_spec(self.cfg))
+        return requantize_for_rollout(weights, set(fp8_names), rollout_quant_spec(self.cfg))
 
     def share_rollout_payload(self, fp8_names: list[str]) -> tuple[SharedPayload, float] | None:
         """CUDA IPC sync: the requantized payload packed into one device buffer this rank keeps until
@@ -224,7 +224,7 @@ class TrainerWorker(_PeakMemory):
         device = self.trainer.device
         group = _join_sync_group(init_method, 0, world_size, device)
         self.collective = NcclWeightSync(
-            set(fp8_names), quant_spec(self.cfg), device=device, group=group, src=0, bucket_bytes=bucket_mb << 20,
+            set(fp8_names), rollout_quant_spec(self.cfg), device=device, group=group, src=0, bucket_bytes=bucket_mb << 20,
             verify=self.cfg.verify_sync,
         )  # fmt: skip
 

@@ -1,7 +1,10 @@
-"""The vLLM rollout engine (``rollout.engine: vllm``): vLLM 0.26 in this process, block-FP8 or BF16.
+"""The vLLM rollout engine (``rollout.engine: vllm``): vLLM 0.26 in this process, FP8 or BF16.
 
 FP8 recipes serve a block-FP8 checkpoint with dynamic 1x128 activation groups (DeepSeek
-style, ``fp8rl.quant``'s ``block`` granularity); a BF16 checkpoint is first converted by
+style, ``fp8rl.quant``'s ``block`` granularity) or, with ``rollout.fp8_scaling: channel``, a
+per-channel one with dynamic per-token activation scales (compressed-tensors W8A8, ``row``
+granularity: vLLM folds that quantization into its fused norm and SiLU kernels, where the block
+layout runs separate quantization kernels); a BF16 checkpoint is first converted by
 ``fp8rl.checkpoint.convert_checkpoint`` (cached under the work dir), so vLLM holds exactly
 the bytes ``fp8rl.quant`` makes, and the recipe's BF16 first/last layers are vLLM's
 ``ignored_layers``.  The ``bf16`` recipe serves the BF16 checkpoint.  Which checkpoint, and
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8rl.config import Recipe, RolloutConfig, RunConfig
+from fp8rl.config import Recipe, RolloutConfig, RunConfig, rollout_recipe
 from fp8rl.errors import UserError
 from fp8rl.models.loading import read_model_config
 from fp8rl.models.special_tokens import special_tokens
@@ -43,6 +46,7 @@ from fp8rl.rollout.vllm_weights import (
     fused_layout,
     partial_tile_note,
     reload_items,
+    row_major,
     serving_checkpoint,
     unfuse_params,
 )
@@ -58,6 +62,9 @@ VLLM_ENV_DEFAULTS = {
 
 
 # ---- starting vLLM ------------------------------------------------------------------------------------
+_VLLM_QUANTIZATION = {"block": "fp8", "row": "compressed-tensors"}
+
+
 def vllm_engine_kwargs(
     checkpoint: str | os.PathLike[str], recipe: Recipe, rollout: RolloutConfig, seed: int = 0, sleep_mode: bool = False
 ) -> dict[str, Any]:
@@ -66,7 +73,8 @@ def vllm_engine_kwargs(
         "model": str(checkpoint),
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
-        "quantization": "fp8" if recipe.rollout_precision == "fp8" else None,
+        # block FP8 is vLLM's "fp8" method; per-channel weights come as a compressed-tensors checkpoint
+        "quantization": _VLLM_QUANTIZATION[recipe.quant.granularity] if recipe.rollout_precision == "fp8" else None,
         "seed": seed,
         "gpu_memory_utilization": rollout.gpu_memory_utilization,
         "enforce_eager": rollout.enforce_eager,
@@ -123,7 +131,9 @@ class VLLMRolloutEngine:
                 f"rollout.engine 'vllm' runs on the first visible CUDA device, got device {str(device)!r}; "
                 "select the GPU with CUDA_VISIBLE_DEVICES"
             )
-        self.recipe, self.rollout = recipe, rollout or RolloutConfig()
+        self.rollout = rollout or RolloutConfig()
+        # the recipe as served: rollout.fp8_scaling 'channel' makes its quant per-channel ('row')
+        self.recipe = recipe = rollout_recipe(recipe, self.rollout)
         self.spec = recipe.quant.spec()
         self.checkpoint = serving_checkpoint(model_dir, recipe, work_dir)
         self.model_config = read_model_config(self.checkpoint)
@@ -156,7 +166,8 @@ class VLLMRolloutEngine:
         )
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return {name: p.data for name, p in self._model.named_parameters()}
+        """vLLM's parameters by name, FP8 weights as [out, in] views (``row_major``)."""
+        return {name: row_major(p.data) for name, p in self._model.named_parameters()}
 
     def _check_layout(self) -> None:
         """Fail at start, not at the first sync, if vLLM holds the weights in another layout than we un-fuse."""
@@ -173,8 +184,11 @@ class VLLMRolloutEngine:
                 )
         held = self.held_weights()
         for module in self.fp8_modules:
-            if not isinstance(held.get(module + ".weight"), QuantizedTensor):
-                raise vllm_patches.VLLMPatchError(f"vLLM does not hold {module}.weight as block FP8 [out, in]")
+            value = held.get(module + ".weight")
+            if not isinstance(value, QuantizedTensor) or value.granularity != self.spec.granularity:
+                raise vllm_patches.VLLMPatchError(
+                    f"vLLM does not hold {module}.weight as {self.spec.granularity} FP8 [out, in]"
+                )
 
     # ---- weights -------------------------------------------------------------------------------------
     def held_weights(self) -> Weights:
@@ -196,6 +210,11 @@ class VLLMRolloutEngine:
                 value = quantize_weight(value.to(self.device), self.spec)
             elif name not in self._fp8 and isinstance(value, QuantizedTensor):
                 raise ValueError(f"{name} is held in bf16 by the engine but an FP8 tensor was sent")
+            elif isinstance(value, QuantizedTensor) and value.granularity != self.spec.granularity:
+                raise ValueError(
+                    f"{name}: the engine serves {self.spec.granularity} FP8 but {value.granularity} FP8 was sent "
+                    "(requantize with the rollout's scaling, fp8rl.loop.rollout_quant_spec)"
+                )
             payload[name] = value
         items = reload_items(payload, known, self.layout)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})

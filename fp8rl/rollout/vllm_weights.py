@@ -2,7 +2,10 @@
 
 Checkpoints.  FP8 recipes serve a block-FP8 checkpoint (``weight`` float8_e4m3fn [out, in]
 and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)]: DeepSeek style,
-``fp8rl.quant``'s ``block`` granularity).  ``serving_checkpoint`` takes an fp8rl FP8
+``fp8rl.quant``'s ``block`` granularity) or, for ``row`` granularity (``rollout.fp8_scaling:
+channel``), a per-channel one (compressed-tensors: ``weight`` [out, in] and ``weight_scale``
+float32 [out, 1], activations scaled per token by vLLM; vLLM holds such a weight transposed,
+[in, out] over the same bytes, which ``row_major`` undoes).  ``serving_checkpoint`` takes an fp8rl FP8
 checkpoint as it is (after checking it was made with the recipe's options) or converts a
 BF16 one with ``fp8rl.checkpoint.convert_checkpoint`` into the work dir, once per source
 and recipe; the ``bf16`` recipe serves the BF16 checkpoint.  vLLM's block-FP8 loader needs
@@ -43,6 +46,7 @@ from fp8rl.quant import E4M3, QuantizedTensor
 from fp8rl.rollout.vllm_patches import VLLMPatchError
 
 FP8_BLOCK = (128, 128)
+SCALE_SUFFIX = {"block": "weight_scale_inv", "row": "weight_scale"}  # a weight's scales, by granularity
 # vLLM module -> the HF modules fused into it, in vLLM's row order
 FUSED_MODULES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -89,7 +93,8 @@ def fp8_module_names_from_config(model_config: Mapping[str, Any], recipe: Recipe
 
 
 def _ignored_layers(qcfg: Mapping[str, Any]) -> list[str]:
-    return list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or [])
+    # block ("fp8"): ignored_layers / modules_to_not_convert; per-channel (compressed-tensors): ignore
+    return list(qcfg.get("ignored_layers") or qcfg.get("modules_to_not_convert") or qcfg.get("ignore") or [])
 
 
 def partial_tile_modules_of(model_dir: Path, recipe: Recipe) -> dict[str, dict[str, Any]]:
@@ -101,7 +106,7 @@ def partial_tile_modules_of(model_dir: Path, recipe: Recipe) -> dict[str, dict[s
     headers = read_headers(model_dir, shard_layout(model_dir).files)
     kept = kept_layers(int(cfg["num_hidden_layers"]), recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
     block = (int(recipe.quant.weight_block[0]), int(recipe.quant.weight_block[1]))
-    opts = ConvertOptions("block", weight_block=block)
+    opts = ConvertOptions(recipe.quant.granularity, weight_block=block)  # only block scaling has tiles
     return partial_tile_modules({name: shape for name, (_, shape) in headers.items()}, opts, kept)
 
 
@@ -114,21 +119,24 @@ def expected_ignored_layers(model_dir: Path, model_config: Mapping[str, Any], re
 
 
 def check_fp8_checkpoint(model_dir: Path, model_config: Mapping[str, Any], recipe: Recipe) -> None:
-    """An existing FP8 checkpoint must have been made with the recipe's granularity and BF16 layers."""
+    """An existing FP8 checkpoint must have been made with the served recipe's granularity and BF16 layers."""
     qcfg = model_config["quantization_config"]
     try:
         granularity, block = read_granularity(qcfg)
     except (ValueError, KeyError) as e:
         raise UserError(f"{model_dir / 'config.json'}: quantization_config is not an fp8rl layout: {e}") from None
-    if granularity != "block" or block != tuple(recipe.quant.weight_block):
+    q = recipe.quant
+    want = f"'block' {list(q.weight_block)}" if q.granularity == "block" else repr(q.granularity)
+    if granularity != q.granularity or (granularity == "block" and block != tuple(q.weight_block)):
+        have = f"{granularity} {list(block)}" if granularity == "block" else granularity
         raise UserError(
-            f"{model_dir}: checkpoint is FP8 {granularity} {list(block)}, but recipe {recipe.name!r} asks for "
-            f"recipe.quant.granularity 'block' {list(recipe.quant.weight_block)}; pass the BF16 checkpoint instead"
+            f"{model_dir}: checkpoint is FP8 {have}, but recipe {recipe.name!r} is served with "
+            f"recipe.quant.granularity {want} (rollout.fp8_scaling 'channel' serves 'row'); pass the BF16 "
+            "checkpoint instead"
         )
     ignored = set(_ignored_layers(qcfg))
     expected = expected_ignored_layers(model_dir, model_config, recipe)
     if ignored != expected:
-        q = recipe.quant
         raise UserError(
             f"{model_dir}: the checkpoint keeps {sorted(ignored - {'lm_head'})} in BF16, but "
             f"recipe.quant.bf16_first_layers {q.bf16_first_layers} / bf16_last_layers {q.bf16_last_layers} "
@@ -234,17 +242,33 @@ def _rows(tensor: torch.Tensor, suffix: str, s: FusedSlice) -> torch.Tensor:
     if suffix == "weight_scale_inv":
         b = FP8_BLOCK[0]
         return tensor[s.start // b : -(-(s.start + s.rows) // b)]
-    return tensor[s.start : s.start + s.rows]
+    return tensor[s.start : s.start + s.rows]  # weights, and per-channel scales (a row each)
+
+
+def row_major(tensor: torch.Tensor) -> torch.Tensor:
+    """A 2-D FP8 weight vLLM holds transposed (its per-channel CUTLASS GEMM reads ``weight.t()`` of the
+    loaded [out, in] bytes: shape [in, out], strides (1, in)) as the [out, in] view; anything else as is."""
+    if (
+        tensor.dtype == torch.float8_e4m3fn
+        and tensor.dim() == 2
+        and tensor.shape[0] > 1
+        and tensor.stride() == (1, tensor.shape[0])
+    ):
+        return tensor.t()
+    return tensor
 
 
 def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, FusedSlice], vocab_size: int) -> Weights:
-    """vLLM's parameters -> HF names; FP8 weights with their ``weight_scale_inv`` as ``QuantizedTensor``.
+    """vLLM's parameters -> HF names; FP8 weights with their scales as ``QuantizedTensor``: block scaling's
+    ``weight_scale_inv`` tiles, or per-channel ``weight_scale`` rows (as ``[out, 1]``).
 
-    Returns views of ``params`` (no copies).  Vocabulary rows vLLM pads are cut to ``vocab_size``.
+    Returns views of ``params`` (no copies), FP8 weights as [out, in] (``row_major``).  Vocabulary rows vLLM
+    pads are cut to ``vocab_size``.
     """
     by_target = parts_by_target(layout)
     flat: dict[str, torch.Tensor] = {}
-    for name, tensor in params.items():
+    for name, held in params.items():
+        tensor = row_major(held)
         module, suffix = split_param(name)
         if module in by_target:
             for hf_module, s in by_target[module]:
@@ -254,25 +278,36 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
     out: Weights = {}
     for name, tensor in flat.items():
         module, suffix = split_param(name)
-        if suffix == "weight_scale_inv":
+        if suffix in SCALE_SUFFIX.values():
             continue
         if suffix == "weight" and tensor.dtype == torch.float8_e4m3fn:
-            scale = flat.get(f"{module}.weight_scale_inv")
-            if scale is None:
-                raise VLLMPatchError(f"{name} is FP8 but vLLM holds no {module}.weight_scale_inv")
-            out[name] = QuantizedTensor(tensor, scale, "block", E4M3, FP8_BLOCK)
+            if f"{module}.weight_scale_inv" in flat:
+                out[name] = QuantizedTensor(tensor, flat[f"{module}.weight_scale_inv"], "block", E4M3, FP8_BLOCK)
+            elif f"{module}.weight_scale" in flat:
+                scale = flat[f"{module}.weight_scale"]
+                if scale.numel() != tensor.shape[0]:
+                    raise VLLMPatchError(
+                        f"{module}.weight_scale: {tuple(scale.shape)} is not one scale per row of {name} "
+                        f"{tuple(tensor.shape)}; vLLM's per-channel layout moved"
+                    )
+                out[name] = QuantizedTensor(tensor, scale.reshape(-1, 1), "row", E4M3)
+            else:
+                raise VLLMPatchError(f"{name} is FP8 but vLLM holds no {module}.weight_scale_inv or .weight_scale")
         else:
             out[name] = tensor
     return out
 
 
 def checkpoint_items(weights: Mapping[str, torch.Tensor | QuantizedTensor]) -> list[tuple[str, torch.Tensor]]:
-    """HF-named weights as the (name, tensor) pairs of a block-FP8 checkpoint (``.weight_scale_inv`` beside FP8)."""
+    """HF-named weights as the (name, tensor) pairs of an FP8 checkpoint: beside each FP8 weight its
+    ``.weight_scale_inv`` (block) or ``.weight_scale`` (per-channel, compressed-tensors)."""
     items = []
     for name, value in weights.items():
         if isinstance(value, QuantizedTensor):
+            if value.granularity not in SCALE_SUFFIX:
+                raise ValueError(f"{name}: vLLM loads block or per-channel FP8, not {value.granularity!r} scaling")
             module, _ = split_param(name)
-            items += [(name, value.data), (f"{module}.weight_scale_inv", value.scale_inv)]
+            items += [(name, value.data), (f"{module}.{SCALE_SUFFIX[value.granularity]}", value.scale_inv)]
         else:
             items.append((name, value))
     return items

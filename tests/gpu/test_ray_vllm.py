@@ -7,7 +7,10 @@ mismatch fails the step), on the small tiny model with eager engines:
 - colocated over two GPUs with the trainer sharded (FSDP2, two ranks) and one vLLM worker beside rank 0;
 - the same with a vLLM worker beside each rank (both ranks keep the gathered weights for their engine), AdamW's
   moments offloaded to the host between steps (``optim.offload_optimizer_state``) and the engines kept awake from
-  the sync to the generation (``ray.sleep_after_sync: false``; this last part added after its 2x H100 run).
+  the sync to the generation (``ray.sleep_after_sync: false``; this last part added after its 2x H100 run);
+- per-channel FP8 rollout weights under block FP8 training (``rollout.fp8_scaling: channel``), colocated on one
+  GPU and beside each FSDP2 rank: the trainer requantizes per channel, the engine verifies what vLLM holds
+  (transposed for its GEMM) bit for bit.
 
 The two-GPU cases skip on one GPU."""
 
@@ -38,6 +41,8 @@ CASES: dict[str, tuple[dict[str, Any], str, int, dict[str, Any]]] = {
         2,
         {"offload_optimizer_state": True},
     ),
+    "colocated-ipc-channel": ({"layout": "colocated", "sync": "ipc"}, "fp8-e2e", 1, {}),
+    "fsdp2-channel": ({**FSDP2, "rollout_workers": 2, "sleep_after_sync": False}, "fp8-e2e", 2, {}),
 }
 
 
@@ -66,7 +71,8 @@ def test_vllm_on_ray_workers_with_every_sync_verified(
     cfg = RunConfig.model_validate({
         "recipe": recipe, "steps": 2, "eval_every": 2, "eval_examples": 16, "eval_samples": 0,
         "grpo": {"prompts_per_step": 8, "group_size": 4}, "verify_sync": True, "work_dir": str(tmp_path),
-        "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.2, "enforce_eager": True, "max_model_len": 512},
+        "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.2, "enforce_eager": True, "max_model_len": 512,
+                    "fp8_scaling": "channel" if case.endswith("-channel") else "recipe"},
         "ray": ray_cfg, "optim": optim,
     })  # fmt: skip
     lines: list[str] = []

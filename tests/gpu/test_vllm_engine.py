@@ -38,7 +38,8 @@ ROLLOUT = RolloutConfig(engine="vllm", gpu_memory_utilization=0.05, enforce_eage
 def engine(model_dir: Path, work: Path, recipe: str = "fp8-rollout", **kw: Any) -> Iterator[Any]:
     from fp8rl.rollout.vllm_engine import VLLMRolloutEngine
 
-    e = VLLMRolloutEngine(model_dir, kw.pop("recipe_obj", None) or load_recipe(recipe), ROLLOUT, work_dir=work, **kw)
+    rollout = ROLLOUT.model_copy(update={"fp8_scaling": kw.pop("fp8_scaling", "recipe")})
+    e = VLLMRolloutEngine(model_dir, kw.pop("recipe_obj", None) or load_recipe(recipe), rollout, work_dir=work, **kw)
     try:
         yield e
     finally:
@@ -82,34 +83,43 @@ def test_flat_logprobs_equal_vllms_per_token_dicts(tiny_models: dict[str, Path],
     torch.testing.assert_close(flat.logprobs, dicts.logprobs, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout"])
+@pytest.mark.parametrize(
+    ("recipe", "scaling"), [("bf16", "recipe"), ("fp8-rollout", "recipe"), ("fp8-rollout", "channel")]
+)
 def test_load_weights_is_bit_exact_including_partial_payloads(
-    tiny_models: dict[str, Path], tmp_path: Path, recipe: str
+    tiny_models: dict[str, Path], tmp_path: Path, recipe: str, scaling: str
 ) -> None:
-    with engine(tiny_models["small"], tmp_path, recipe) as e:
+    """In-place reloads hold exactly what was sent, block FP8 and per-channel FP8 (``rollout.fp8_scaling:
+    channel``, which vLLM holds transposed for its CUTLASS GEMM) alike."""
+    with engine(tiny_models["small"], tmp_path, recipe, fp8_scaling=scaling) as e:
         names = {m + ".weight" for m in e.fp8_modules}
-        payload = requantize_for_rollout(_perturbed(tiny_models["small"], 1), names, QuantSpec())
+        assert e.spec.granularity == ("row" if scaling == "channel" else "block")
+        payload = requantize_for_rollout(_perturbed(tiny_models["small"], 1), names, e.spec)
         e.load_weights(payload, version=1)
         verify_engine_weights(e, payload, 1)
+        if scaling == "channel":  # a block payload is refused, not loaded as something else
+            with pytest.raises(ValueError, match="the engine serves row FP8 but block FP8 was sent"):
+                e.load_weights(requantize_for_rollout(_perturbed(tiny_models["small"], 3), names, QuantSpec()), 3)
         # a bucket holding only the k projections of the fused qkv (as fp8rl.sync.nccl may send)
-        payload2 = requantize_for_rollout(_perturbed(tiny_models["small"], 2), names, QuantSpec())
+        payload2 = requantize_for_rollout(_perturbed(tiny_models["small"], 2), names, e.spec)
         part = {n: v for n, v in payload2.items() if ".k_proj." in n}
         e.load_weights(part, version=2)
         verify_engine_weights(e, {**payload, **part}, 2)
 
 
-def test_reloads_equal_a_fresh_engine(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    with engine(tiny_models["small"], tmp_path / "a") as e:
+@pytest.mark.parametrize("scaling", ["recipe", "channel"])
+def test_reloads_equal_a_fresh_engine(tiny_models: dict[str, Path], tmp_path: Path, scaling: str) -> None:
+    with engine(tiny_models["small"], tmp_path / "a", fp8_scaling=scaling) as e:
         names = {m + ".weight" for m in e.fp8_modules}
         for step in range(1, 6):
             weights = _perturbed(tiny_models["small"], step)
-            e.load_weights(requantize_for_rollout(weights, names, QuantSpec()), step)
+            e.load_weights(requantize_for_rollout(weights, names, e.spec), step)
         reloaded = e.generate(PROMPTS, GREEDY)
     model = load_causal_lm(tiny_models["small"], dtype=torch.bfloat16)
     model.load_state_dict({k: v.cpu() for k, v in weights.items()}, strict=False)
     model.save_pretrained(tmp_path / "final")
     (tmp_path / "final" / "generation_config.json").unlink(missing_ok=True)
-    with engine(tmp_path / "final", tmp_path / "b") as fresh:
+    with engine(tmp_path / "final", tmp_path / "b", fp8_scaling=scaling) as fresh:
         expected = fresh.generate(PROMPTS, GREEDY)
     assert torch.equal(reloaded.response_ids, expected.response_ids)
     torch.testing.assert_close(reloaded.logprobs, expected.logprobs, rtol=0, atol=0)

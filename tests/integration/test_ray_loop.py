@@ -91,6 +91,25 @@ def test_collective_sync_matches_the_object_store_run(local_ray: object, warm_mo
     assert collective.final == store.final
 
 
+def test_per_channel_rollouts_take_the_collective_sync(local_ray: object, warm_model: Path, tmp_path: Path) -> None:
+    """``rollout.fp8_scaling: channel`` on Ray: the trainer rank requantizes per channel for the bucketed
+    broadcast and every engine verifies what it received bit for bit (``verify_sync``); the same run through
+    the object store gives the same steps."""
+    from fp8rl.cluster.driver import run_rl_on_ray
+
+    base = {"trainer_workers": 1, "rollout_workers": 2}
+    channel = {"rollout": {"fp8_scaling": "channel"}}
+    cfg = _cfg("fp8-e2e", RayConfig(**base, sync="collective", sync_bucket_mb=1), tmp_path, steps=2, **channel)
+    collective = run_rl_on_ray(cfg, warm_model, MemorySink(), log=lambda _s: None)
+    store = run_rl_on_ray(
+        _cfg("fp8-e2e", RayConfig(**base), tmp_path, steps=2, **channel), warm_model, MemorySink(), log=lambda _s: None
+    )
+    assert cfg.verify_sync and [h["sync/policy_version"] for h in collective.history] == [1.0, 2.0]
+    for a, b in zip(store.history, collective.history, strict=True):
+        assert b["reward"] == a["reward"] and b["train/loss"] == a["train/loss"] and b["sync/bytes"] == a["sync/bytes"]
+    assert collective.run_mean("mismatch/token_mult_prob_error") > 1.0001  # block training, per-channel rollout
+
+
 def test_colocated_layout_sleeps_the_engines_between_generations(
     local_ray: object, warm_model: Path, tmp_path: Path
 ) -> None:

@@ -62,6 +62,21 @@ def test_loop_runs_and_logs_every_metric(warm_model: Path, recipe: str) -> None:
         assert tmpe == pytest.approx(1.0, abs=1e-4)
 
 
+def test_per_channel_rollout_under_block_training_syncs_bit_exactly(warm_model: Path) -> None:
+    """``rollout.fp8_scaling: channel`` with fp8-e2e: the trainer keeps 128x128 block FP8, every sync requantizes
+    per channel for the engine (verified bit for bit, as every sync is by default), so generation and training
+    no longer share their quantization: a real mismatch where the block rollout above has none."""
+    cfg = RunConfig.model_validate(
+        {"recipe": load_recipe("fp8-e2e"), "steps": 2, "eval_every": 2, "eval_examples": 16,
+         "rollout": {"fp8_scaling": "channel"}}
+    )  # fmt: skip
+    assert cfg.verify_sync
+    result = run_rl(cfg, warm_model, MemorySink(), log=lambda _s: None)
+    assert [h["sync/policy_version"] for h in result.history] == [1.0, 2.0]
+    assert result.run_mean("mismatch/token_mult_prob_error") > 1.0001
+    assert result.history[-1]["sync/bytes_vs_bf16"] < 0.75
+
+
 def test_cli_train_tracks_in_mlflow(tmp_path: Path, warm_model: Path) -> None:
     r = subprocess.run(
         [

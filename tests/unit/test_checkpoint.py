@@ -321,9 +321,14 @@ def test_recipe_options_are_what_vllm_serves_for_the_recipes_it_accepts(quant: d
     assert ConvertOptions.from_recipe(recipe) == vllm_serving_options(recipe)
 
 
-@pytest.mark.parametrize(
-    "quant", [{"granularity": "row"}, {"granularity": "tensor"}, {"weight_block": [64, 64]}, {"act_block": 64}]
-)
+def test_vllm_serves_per_channel_recipes_from_a_per_channel_conversion() -> None:
+    # row: compressed-tensors per-channel weights; the weight tile does not apply
+    recipe = fp8_recipe(granularity="row", bf16_last_layers=1, weight_block=[64, 64])
+    assert vllm_recipe_problem(recipe) is None
+    assert ConvertOptions.from_recipe(recipe) == ConvertOptions("row", False, 0, 1, (64, 64), "e4m3", "keep")
+
+
+@pytest.mark.parametrize("quant", [{"granularity": "tensor"}, {"weight_block": [64, 64]}, {"act_block": 64}])
 def test_vllm_refuses_the_recipes_whose_options_differ(quant: dict[str, object]) -> None:
     recipe = fp8_recipe(**quant)
     assert vllm_recipe_problem(recipe) is not None  # serving_checkpoint stops at check_recipe_supported

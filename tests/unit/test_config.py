@@ -103,8 +103,10 @@ def test_fp8_kv_cache_needs_the_vllm_engine() -> None:
 def test_vllm_engine_recipes_are_checked_before_anything_runs() -> None:
     vllm = {"engine": "vllm"}
     row = {**E2E, "quant": {"granularity": "row"}}
-    with pytest.raises(ConfigError, match=r"serves FP8 as block scaling only.*recipe.quant.granularity 'row'"):
-        parse_run_config({"recipe": row, "rollout": vllm})
+    tensor = {**E2E, "quant": {"granularity": "tensor"}}
+    with pytest.raises(ConfigError, match=r"serves FP8 as block or per-channel.*recipe.quant.granularity 'tensor'"):
+        parse_run_config({"recipe": tensor, "rollout": vllm})
+    assert parse_run_config({"recipe": row, "rollout": vllm})  # per-channel weights, per-token activations
     with pytest.raises(ConfigError, match=r"recipe.quant.weight_block is \[64, 64\]"):
         parse_run_config({"recipe": {**E2E, "quant": {"weight_block": [64, 64]}}, "rollout": vllm})
     # bf16 rollout needs no FP8 layout; the torch engine serves every granularity
@@ -170,3 +172,23 @@ def test_compiled_elementwise_combines_with_activation_checkpointing() -> None:
     cfg = parse_run_config({"recipe": E2E, "optim": {"compile_elementwise": True, "activation_checkpointing": True}})
     opts = trainer_options(cfg)
     assert opts.compile_elementwise and opts.activation_checkpointing
+
+
+def test_rollout_fp8_scaling_channel_serves_per_channel_weights_whatever_the_trainer_uses() -> None:
+    """``rollout.fp8_scaling: channel``: the engine's recipe has quant granularity ``row`` (what its checkpoint,
+    FP8 modules and sync requantization follow); the trainer's recipe is untouched."""
+    from fp8rl.config import rollout_recipe
+
+    cfg = parse_run_config({"recipe": E2E, "rollout": {"engine": "vllm", "fp8_scaling": "channel"}})
+    served = rollout_recipe(cfg.recipe, cfg.rollout)
+    assert served.quant.granularity == "row" and cfg.recipe.quant.granularity == "block"
+    assert served.quant.bf16_first_layers == cfg.recipe.quant.bf16_first_layers and served.name == cfg.recipe.name
+    # a tensor-granularity recipe is served per channel too (vLLM refuses per-tensor scaling from fp8rl)
+    tensor = {**E2E, "quant": {"granularity": "tensor"}}
+    assert parse_run_config({"recipe": tensor, "rollout": {"engine": "vllm", "fp8_scaling": "channel"}})
+    assert rollout_recipe(cfg.recipe, parse_run_config({"recipe": E2E}).rollout) is cfg.recipe
+    # BF16 rollouts ignore it: one config serves a comparison of bf16 and FP8 recipes
+    bf16 = parse_run_config({"recipe": load_recipe("bf16").model_dump(), "rollout": {"fp8_scaling": "channel"}})
+    assert rollout_recipe(bf16.recipe, bf16.rollout) is bf16.recipe
+    with pytest.raises(ConfigError, match=r"rollout.fp8_scaling"):
+        parse_run_config({"recipe": E2E, "rollout": {"fp8_scaling": "tensor"}})

@@ -35,10 +35,24 @@ def _recipe(name: str, **quant: Any) -> Any:
     return r.model_copy(update={"quant": r.quant.model_copy(update=quant)}) if quant else r
 
 
-def _vllm_params(hf: dict[str, torch.Tensor], fp8: set[str], cfg: dict[str, Any], pad_vocab: int) -> dict[str, Any]:
+def _vllm_params(
+    hf: dict[str, torch.Tensor], fp8: set[str], cfg: dict[str, Any], pad_vocab: int, granularity: str = "block"
+) -> dict[str, Any]:
     """What vLLM holds for ``hf``: q/k/v and gate/up concatenated (then quantized as one tensor when FP8),
-    vocabulary rows padded -- written from vLLM's packed_modules_mapping, not from fp8rl's layout."""
-    spec, out = QuantSpec(), {}
+    vocabulary rows padded -- written from vLLM's packed_modules_mapping, not from fp8rl's layout.  Per-channel
+    FP8 as vLLM's compressed-tensors W8A8 scheme keeps it after loading: the weight as ``weight.t()`` (a
+    transposed view of the [out, in] bytes) and ``weight_scale`` [out, 1] (flat [out] for the fused modules,
+    to cover both)."""
+    spec, out = QuantSpec(granularity=granularity), {}  # type: ignore[arg-type]
+
+    def put(module: str, w: torch.Tensor, flat_scale: bool) -> None:
+        q = quantize_weight(w, spec)
+        if granularity == "row":
+            out[f"{module}.weight"] = q.data.t()
+            out[f"{module}.weight_scale"] = q.scale_inv.flatten() if flat_scale else q.scale_inv
+        else:
+            out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = q.data, q.scale_inv
+
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     for i in range(cfg["num_hidden_layers"]):
         for fused, parts in packed.items():
@@ -46,15 +60,12 @@ def _vllm_params(hf: dict[str, torch.Tensor], fp8: set[str], cfg: dict[str, Any]
             names = [f"model.layers.{i}.{sub}.{p}.weight" for p in parts]
             w = torch.cat([hf.pop(n) for n in names])
             if names[0] in fp8:
-                q = quantize_weight(w, spec)
-                out[f"model.layers.{i}.{sub}.{fused}.weight"] = q.data
-                out[f"model.layers.{i}.{sub}.{fused}.weight_scale_inv"] = q.scale_inv
+                put(f"model.layers.{i}.{sub}.{fused}", w, flat_scale=True)
             else:
                 out[f"model.layers.{i}.{sub}.{fused}.weight"] = w
     for name, w in hf.items():
         if name in fp8:
-            q = quantize_weight(w, spec)
-            out[name], out[name.replace(".weight", ".weight_scale_inv")] = q.data, q.scale_inv
+            put(name.removesuffix(".weight"), w, flat_scale=False)
         elif name in vw.VOCAB_PARAMS:
             out[name] = torch.cat([w, torch.zeros(pad_vocab, w.shape[1], dtype=w.dtype)])
         else:
@@ -68,16 +79,29 @@ def _same(a: torch.Tensor | QuantizedTensor, b: torch.Tensor | QuantizedTensor) 
     return not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("granularity", ["block", "row"])
 @pytest.mark.parametrize(("preset", "first", "last"), [("tiny", 0, 0), ("small", 1, 1), ("small", 0, 2)])
-def test_unfuse_gives_back_the_requantized_payload_bit_for_bit(preset: str, first: int, last: int) -> None:
+def test_unfuse_gives_back_the_requantized_payload_bit_for_bit(
+    preset: str, first: int, last: int, granularity: str
+) -> None:
+    """What the sync pushes is what ``held_weights`` reads back, per block or per channel (the latter from
+    vLLM's transposed weights, as [out, in] views)."""
     model, _ = make_tiny_model(preset)
     cfg = model.config.to_dict()
-    recipe = _recipe("fp8-rollout", bf16_first_layers=first, bf16_last_layers=last)
+    recipe = _recipe("fp8-rollout", bf16_first_layers=first, bf16_last_layers=last, granularity=granularity)
     fp8 = {m + ".weight" for m in vw.fp8_module_names_from_config(cfg, recipe)}
     hf = {n: p.detach() for n, p in model.named_parameters()}
-    payload = requantize_for_rollout(hf, fp8, QuantSpec())
-    held = vw.unfuse_params(_vllm_params(dict(hf), fp8, cfg, pad_vocab=64), vw.fused_layout(cfg), cfg["vocab_size"])
+    payload = requantize_for_rollout(hf, fp8, recipe.quant.spec())
+    params = _vllm_params(dict(hf), fp8, cfg, pad_vocab=64, granularity=granularity)
+    layout = vw.fused_layout(cfg)
+    held = vw.unfuse_params(params, layout, cfg["vocab_size"])
     assert set(held) == set(payload)
+    for name in fp8:
+        value = held[name]
+        assert isinstance(value, QuantizedTensor) and value.granularity == granularity
+        module = name.removesuffix(".weight")
+        base = params[(layout[module].target if module in layout else module) + ".weight"]
+        assert value.data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()  # a view, no copy
     bad = [n for n in payload if not _same(held[n], payload[n])]
     assert not bad
     # the BF16 layers are the recipe's first/last ones and only those
@@ -107,6 +131,33 @@ def test_partial_payload_reports_missing_fused_parts_and_groups_them() -> None:
     q = quantize_weight(torch.randn(128, 128), QuantSpec())
     items = vw.checkpoint_items({"model.layers.0.self_attn.q_proj.weight": q})
     assert [n for n, _ in items] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale_inv"]  # fmt: skip
+    # per-channel: compressed-tensors' name, the [out, 1] scales as they are
+    r = quantize_weight(torch.randn(128, 128), QuantSpec(granularity="row"))
+    items = vw.checkpoint_items({"model.layers.0.self_attn.q_proj.weight": r})
+    assert [n for n, _ in items] == ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight_scale"]  # fmt: skip
+    assert items[1][1] is r.scale_inv and r.scale_inv.shape == (128, 1)
+    with pytest.raises(ValueError, match="q_proj.weight: vLLM loads block or per-channel FP8, not 'tensor'"):
+        vw.checkpoint_items({"model.layers.0.self_attn.q_proj.weight": quantize_weight(torch.randn(128, 128), QuantSpec(granularity="tensor"))})  # fmt: skip
+
+
+def test_row_major_undoes_vllms_transposed_fp8_weights_only() -> None:
+    w = torch.randn(256, 128).to(torch.float8_e4m3fn)
+    assert vw.row_major(w) is w  # contiguous [out, in]
+    back = vw.row_major(w.t())  # what the per-channel CUTLASS path holds
+    assert back.shape == (256, 128) and back.data_ptr() == w.data_ptr() and torch.equal(back.view(torch.uint8), w.view(torch.uint8))  # fmt: skip
+    square = torch.randn(128, 128).to(torch.float8_e4m3fn)
+    assert vw.row_major(square) is square and vw.row_major(square.t()).is_contiguous()
+    bf16 = torch.randn(128, 256, dtype=torch.bfloat16).t()
+    assert vw.row_major(bf16) is bf16  # only FP8 weights are held transposed
+
+
+def test_unfuse_refuses_per_channel_scales_that_do_not_match_the_rows() -> None:
+    q = quantize_weight(torch.randn(256, 128), QuantSpec(granularity="row"))
+    params = {"model.layers.0.self_attn.o_proj.weight": q.data, "model.layers.0.self_attn.o_proj.weight_scale": q.scale_inv[:128]}  # fmt: skip
+    with pytest.raises(vllm_patches.VLLMPatchError, match=r"o_proj.weight_scale: \(128, 1\) is not one scale per row"):
+        vw.unfuse_params(params, {}, 0)
+    with pytest.raises(vllm_patches.VLLMPatchError, match=r"o_proj.weight is FP8 but vLLM holds no"):
+        vw.unfuse_params({"model.layers.0.self_attn.o_proj.weight": q.data}, {}, 0)
 
 
 def test_reload_items_complete_a_partial_payload_with_copies_of_the_held_parts() -> None:
@@ -142,6 +193,8 @@ def test_engine_kwargs_per_recipe() -> None:
     fp8 = ve.vllm_engine_kwargs("/c", load_recipe("fp8-e2e").model_copy(update={"kv_cache": "fp8"}), RolloutConfig())
     assert fp8["quantization"] == "fp8" and fp8["kv_cache_dtype"] == "fp8" and not fp8["calculate_kv_scales"]
     assert "max_model_len" not in fp8 and fp8["model"] == "/c"
+    channel = ve.vllm_engine_kwargs("/c", _recipe("fp8-e2e", granularity="row"), RolloutConfig())
+    assert channel["quantization"] == "compressed-tensors"
 
 
 def test_serving_checkpoint_converts_once_and_checks_given_fp8_dirs(
@@ -164,8 +217,8 @@ def test_serving_checkpoint_converts_once_and_checks_given_fp8_dirs(
 
 
 def test_unsupported_recipes_and_shapes_are_user_errors(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="recipe.quant.granularity 'row'"):
-        vw.serving_checkpoint(tiny_models["tiny"], _recipe("fp8-rollout", granularity="row"), tmp_path)
+    with pytest.raises(UserError, match="recipe.quant.granularity 'tensor'"):
+        vw.serving_checkpoint(tiny_models["tiny"], _recipe("fp8-rollout", granularity="tensor"), tmp_path)
     with pytest.raises(UserError, match=r"recipe.quant.weight_block is \[64, 64\]"):
         vw.serving_checkpoint(tiny_models["tiny"], _recipe("fp8-rollout", weight_block=(64, 64)), tmp_path)
     assert not (tmp_path / "vllm-checkpoints").exists()
@@ -221,12 +274,43 @@ def test_a_partial_kv_projection_keeps_its_fused_qkv_in_bf16(tmp_path: Path) -> 
         vw.serving_checkpoint(forced, recipe, tmp_path)
 
 
+def test_per_channel_rollouts_serve_a_compressed_tensors_checkpoint(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """``rollout.fp8_scaling: channel``: the engine's recipe converts the BF16 checkpoint per channel (its BF16
+    layers ignored, no partial tiles: a row has none), keyed apart from the block conversion; a given
+    per-channel checkpoint is used as is, a block one refused for it and the other way round."""
+    from fp8rl.config import rollout_recipe
+
+    src = tiny_models["small"]
+    cfg = parse_run_config({"recipe": _recipe("fp8-e2e", bf16_last_layers=1).model_dump(),
+                            "rollout": {"engine": "vllm", "fp8_scaling": "channel"}})  # fmt: skip
+    served = rollout_recipe(cfg.recipe, cfg.rollout)
+    dst = vw.serving_checkpoint(src, served, tmp_path)
+    qcfg = read_model_config(dst)["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors"
+    assert qcfg["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    assert qcfg["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    n = read_model_config(src)["num_hidden_layers"]
+    assert f"model.layers.{n - 1}.mlp.down_proj" in qcfg["ignore"]
+    fp8 = vw.fp8_module_names_from_config(read_model_config(dst), served)
+    assert fp8 and all(f"layers.{n - 1}." not in m for m in fp8)
+    assert vw.partial_tile_note(dst, fp8, served) is None
+    block = vw.serving_checkpoint(src, cfg.recipe, tmp_path)
+    assert block != dst and block.parent == dst.parent
+    assert vw.serving_checkpoint(dst, served, tmp_path / "other") == dst
+    with pytest.raises(UserError, match=r"checkpoint is FP8 row, but recipe 'fp8-e2e' is served with recipe.quant.granularity 'block' \[128, 128\]"):  # fmt: skip
+        vw.serving_checkpoint(dst, cfg.recipe, tmp_path)
+    with pytest.raises(UserError, match=r"checkpoint is FP8 block \[128, 128\], but .*granularity 'row'"):
+        vw.serving_checkpoint(block, served, tmp_path)
+
+
 def test_given_fp8_checkpoints_of_another_layout_are_refused(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
 
     per_tensor = tmp_path / "tensor"
     convert_checkpoint(tiny_models["tiny"], per_tensor, ConvertOptions(granularity="tensor"), show_progress=False)
-    with pytest.raises(UserError, match="checkpoint is FP8 tensor .* recipe.quant.granularity 'block'"):
+    with pytest.raises(UserError, match="checkpoint is FP8 tensor, but .* recipe.quant.granularity 'block'"):
         vw.serving_checkpoint(per_tensor, load_recipe("fp8-rollout"), tmp_path)
     foreign = tmp_path / "awq"
     shutil.copytree(tiny_models["tiny"], foreign)
