@@ -207,12 +207,13 @@ def diagnose_run(
     cfg: Any, model_dir: str | Path, out_dir: str | Path, target: float = 1.02, examples: int = 64,
     max_tokens: int | None = None, max_candidates: int = 64, device: str = "cpu", log: Any = print,
 ) -> Diagnosis:  # fmt: skip
-    """``diagnose`` with a run config's recipe scaling, task and prompt format; the report goes to ``out_dir``.
+    """``diagnose`` with a run config's rollout scaling (``rollout_quant_spec``: the recipe's, or per channel with
+    ``rollout.fp8_scaling: channel``), task and prompt format; the report goes to ``out_dir``.
 
     The one entry the ``fp8rl diagnose`` command and the KFP component share.
     """
     from fp8rl.errors import UserError
-    from fp8rl.loop import prompt_format, quant_spec, task_examples
+    from fp8rl.loop import prompt_format, rollout_quant_spec, task_examples
 
     if cfg.recipe.rollout_precision != "fp8":
         raise UserError(f"recipe {cfg.recipe.name!r}: its rollout is BF16, there is no FP8 disagreement to diagnose")
@@ -220,7 +221,7 @@ def diagnose_run(
         raise UserError(f"target must be >= 1.0 (a token_mult_prob_error), got {target}")
     train, _ = task_examples(cfg)
     diag = diagnose(
-        model_dir, quant_spec(cfg), train[:examples], prompt_format(cfg), target,
+        model_dir, rollout_quant_spec(cfg), train[:examples], prompt_format(cfg), target,
         max_tokens or cfg.sampling.max_tokens, max_candidates, device, cfg.seed, log,
     )  # fmt: skip
     write_report(diag, out_dir)

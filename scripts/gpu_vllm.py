@@ -184,7 +184,6 @@ def section_reload(model_dir: Path, n_reloads: int = 5) -> dict[str, Any]:
 
     from fp8rl.config import load_recipe
     from fp8rl.models.loading import load_causal_lm, load_tokenizer
-    from fp8rl.quant import QuantSpec
     from fp8rl.rollout import SamplingParams
     from fp8rl.sync import InProcessWeightSync
 
@@ -194,7 +193,7 @@ def section_reload(model_dir: Path, n_reloads: int = 5) -> dict[str, Any]:
     syncs = []
     try:
         before = e.generate(ps, greedy)  # fills the prefix cache with blocks of the old weights
-        sync = InProcessWeightSync(e, {m + ".weight" for m in e.fp8_modules}, QuantSpec(), verify=True)
+        sync = InProcessWeightSync(e, {m + ".weight" for m in e.fp8_modules}, e.spec, verify=True)
         for step in range(1, n_reloads + 1):
             weights = perturbed(model_dir, step)
             stats = sync.push(weights, step)  # raises SyncVerificationError unless bit-exact

@@ -140,7 +140,6 @@ def time_sync(e: Any, bf16_dir: Path) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
-    from fp8rl.quant import QuantSpec
     from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
 
     weights: dict[str, torch.Tensor] = {}
@@ -151,7 +150,7 @@ def time_sync(e: Any, bf16_dir: Path) -> dict[str, Any]:
     for version in range(1, 4):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        payload = requantize_for_rollout(weights, names, QuantSpec())
+        payload = requantize_for_rollout(weights, names, e.spec)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         e.load_weights(payload, version)

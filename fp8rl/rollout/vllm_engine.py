@@ -45,6 +45,7 @@ from fp8rl.rollout.vllm_weights import (
     fp8_module_names_from_config,
     fused_layout,
     partial_tile_note,
+    per_channel_layout_problem,
     reload_items,
     row_major,
     serving_checkpoint,
@@ -171,6 +172,11 @@ class VLLMRolloutEngine:
 
     def _check_layout(self) -> None:
         """Fail at start, not at the first sync, if vLLM holds the weights in another layout than we un-fuse."""
+        if self.spec.granularity == "row":
+            raw = {name: p.data for name, p in self._model.named_parameters()}
+            problem = per_channel_layout_problem(raw)
+            if problem:
+                raise vllm_patches.VLLMPatchError(problem)
         params = self._params()
         totals: dict[str, int] = {}
         for s in self.layout.values():
@@ -212,8 +218,8 @@ class VLLMRolloutEngine:
                 raise ValueError(f"{name} is held in bf16 by the engine but an FP8 tensor was sent")
             elif isinstance(value, QuantizedTensor) and value.granularity != self.spec.granularity:
                 raise ValueError(
-                    f"{name}: the engine serves {self.spec.granularity} FP8 but {value.granularity} FP8 was sent "
-                    "(requantize with the rollout's scaling, fp8rl.loop.rollout_quant_spec)"
+                    f"{name}: the engine serves {self.spec.granularity} FP8 but {value.granularity} FP8 was sent; "
+                    "the sync must requantize with the rollout's scaling (rollout.fp8_scaling)"
                 )
             payload[name] = value
         items = reload_items(payload, known, self.layout)

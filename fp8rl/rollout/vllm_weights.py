@@ -59,7 +59,8 @@ Weights = dict[str, torch.Tensor | QuantizedTensor]
 
 # ---- configuration and checkpoints (pure) ------------------------------------------------------------
 def check_recipe_supported(recipe: Recipe) -> None:
-    """vLLM serves the ``block`` recipe with 128x128 weight tiles and 1x128 activation groups (and bf16)."""
+    """vLLM serves bf16, block FP8 with 128x128 weight tiles and 1x128 activation groups, and per-channel
+    (``row``) FP8 with per-token activations; anything else is a ``UserError`` naming the field."""
     problem = vllm_recipe_problem(recipe)
     if problem:
         raise UserError(problem)
@@ -126,13 +127,13 @@ def check_fp8_checkpoint(model_dir: Path, model_config: Mapping[str, Any], recip
     except (ValueError, KeyError) as e:
         raise UserError(f"{model_dir / 'config.json'}: quantization_config is not an fp8rl layout: {e}") from None
     q = recipe.quant
-    want = f"'block' {list(q.weight_block)}" if q.granularity == "block" else repr(q.granularity)
+    want = f"block {list(q.weight_block)}" if q.granularity == "block" else q.granularity
     if granularity != q.granularity or (granularity == "block" and block != tuple(q.weight_block)):
         have = f"{granularity} {list(block)}" if granularity == "block" else granularity
         raise UserError(
-            f"{model_dir}: checkpoint is FP8 {have}, but recipe {recipe.name!r} is served with "
-            f"recipe.quant.granularity {want} (rollout.fp8_scaling 'channel' serves 'row'); pass the BF16 "
-            "checkpoint instead"
+            f"{model_dir}: checkpoint is FP8 {have}, but the engine serves recipe {recipe.name!r} as FP8 {want} "
+            "(recipe.quant.granularity, or 'row' under rollout.fp8_scaling 'channel'); pass the BF16 checkpoint, "
+            "or set rollout.fp8_scaling to match the checkpoint"
         )
     ignored = set(_ignored_layers(qcfg))
     expected = expected_ignored_layers(model_dir, model_config, recipe)
@@ -190,7 +191,7 @@ def serving_checkpoint(model_dir: str | os.PathLike[str], recipe: Recipe, work_d
     if not (dst / "config.json").is_file():
         from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
 
-        # check_recipe_supported pinned the recipe to block granularity and 128x128 tiles (and fmt is e4m3 only),
+        # check_recipe_supported pinned the recipe to 128x128 block or per-channel scaling (and fmt is e4m3 only),
         # so the recipe's options are the ones vLLM loads
         try:
             convert_checkpoint(src, dst, ConvertOptions.from_recipe(recipe), show_progress=False)
@@ -256,6 +257,19 @@ def row_major(tensor: torch.Tensor) -> torch.Tensor:
     ):
         return tensor.t()
     return tensor
+
+
+def per_channel_layout_problem(params: Mapping[str, torch.Tensor]) -> str | None:
+    """Why vLLM's raw parameters are not the per-channel layout ``row_major`` reads back (every FP8 weight the
+    transposed view of [out, in] bytes), or None.  A contiguous [in, out] copy of a square weight would pass
+    every shape check and differ only at the first verify; this catches it at start."""
+    for name, p in params.items():
+        if p.dtype == torch.float8_e4m3fn and name.endswith(".weight") and row_major(p) is p:
+            return (
+                f"{name}: vLLM holds this per-channel FP8 weight as {tuple(p.shape)} with strides {p.stride()}, "
+                "not the transposed view of [out, in] fp8rl reads back; vLLM's per-channel layout moved"
+            )
+    return None
 
 
 def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, FusedSlice], vocab_size: int) -> Weights:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,3 +63,19 @@ def test_diagnose_command_errors(tiny_models: dict[str, Path], capsys: pytest.Ca
     assert "rollout is BF16" in capsys.readouterr().err
     assert main(["diagnose", str(tiny_models["small"]), "--target", "0.5"]) == 2
     assert "--target must be >= 1.0" in capsys.readouterr().err
+
+
+def test_diagnose_run_measures_the_scaling_the_rollout_serves(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """``rollout.fp8_scaling: channel``: the disagreement diagnosed is the per-channel rollout's, not the block
+    trainer's (the report names the scaling)."""
+    from fp8rl.config import load_recipe, parse_run_config
+    from fp8rl.diagnose import diagnose_run
+
+    def run(scaling: str) -> Any:
+        cfg = parse_run_config({"recipe": load_recipe("fp8-e2e").model_dump(), "rollout": {"fp8_scaling": scaling}})
+        return diagnose_run(cfg, tiny_models["small"], tmp_path / scaling, target=1.5, examples=8, max_tokens=4,
+                            log=lambda _s: None)  # fmt: skip
+
+    block, channel = run("recipe"), run("channel")
+    assert block.spec["granularity"] == "block" and channel.spec["granularity"] == "row"
+    assert channel.tmpe_all_fp8 != block.tmpe_all_fp8  # another quantization, another disagreement

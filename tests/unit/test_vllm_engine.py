@@ -151,6 +151,15 @@ def test_row_major_undoes_vllms_transposed_fp8_weights_only() -> None:
     assert vw.row_major(bf16) is bf16  # only FP8 weights are held transposed
 
 
+def test_a_per_channel_weight_held_otherwise_than_transposed_is_a_layout_problem() -> None:
+    w = torch.randn(128, 128).to(torch.float8_e4m3fn)
+    ok = {"model.layers.0.self_attn.o_proj.weight": w.t(), "model.norm.weight": torch.ones(128)}
+    assert vw.per_channel_layout_problem(ok) is None
+    copied = {"model.layers.0.self_attn.o_proj.weight": w.t().contiguous()}  # same shape, other bytes order
+    problem = vw.per_channel_layout_problem(copied)
+    assert problem is not None and problem.startswith("model.layers.0.self_attn.o_proj.weight: vLLM holds")
+
+
 def test_unfuse_refuses_per_channel_scales_that_do_not_match_the_rows() -> None:
     q = quantize_weight(torch.randn(256, 128), QuantSpec(granularity="row"))
     params = {"model.layers.0.self_attn.o_proj.weight": q.data, "model.layers.0.self_attn.o_proj.weight_scale": q.scale_inv[:128]}  # fmt: skip
@@ -299,9 +308,11 @@ def test_per_channel_rollouts_serve_a_compressed_tensors_checkpoint(
     block = vw.serving_checkpoint(src, cfg.recipe, tmp_path)
     assert block != dst and block.parent == dst.parent
     assert vw.serving_checkpoint(dst, served, tmp_path / "other") == dst
-    with pytest.raises(UserError, match=r"checkpoint is FP8 row, but recipe 'fp8-e2e' is served with recipe.quant.granularity 'block' \[128, 128\]"):  # fmt: skip
+    with pytest.raises(UserError, match=r"checkpoint is FP8 row, but the engine serves recipe 'fp8-e2e' as FP8 block \[128, 128\] \(recipe.quant.granularity, or 'row' under rollout.fp8_scaling 'channel'\)"):  # fmt: skip
         vw.serving_checkpoint(dst, cfg.recipe, tmp_path)
-    with pytest.raises(UserError, match=r"checkpoint is FP8 block \[128, 128\], but .*granularity 'row'"):
+    with pytest.raises(
+        UserError, match=r"checkpoint is FP8 block \[128, 128\], but the engine serves recipe 'fp8-e2e' as FP8 row"
+    ):
         vw.serving_checkpoint(block, served, tmp_path)
 
 
@@ -310,7 +321,10 @@ def test_given_fp8_checkpoints_of_another_layout_are_refused(tiny_models: dict[s
 
     per_tensor = tmp_path / "tensor"
     convert_checkpoint(tiny_models["tiny"], per_tensor, ConvertOptions(granularity="tensor"), show_progress=False)
-    with pytest.raises(UserError, match="checkpoint is FP8 tensor, but .* recipe.quant.granularity 'block'"):
+    with pytest.raises(
+        UserError,
+        match=r"checkpoint is FP8 tensor, but the engine serves recipe 'fp8-rollout' as FP8 block \[128, 128\]",
+    ):
         vw.serving_checkpoint(per_tensor, load_recipe("fp8-rollout"), tmp_path)
     foreign = tmp_path / "awq"
     shutil.copytree(tiny_models["tiny"], foreign)
