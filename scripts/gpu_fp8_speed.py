@@ -209,9 +209,9 @@ def section_profile(a: argparse.Namespace) -> dict[str, Any]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             trainer.sft_step(batch)
             torch.cuda.synchronize()
-        top: list[tuple[str, str, float]] = []
+        top: list[tuple[str, str, float, int]] = []
         totals = categorize(prof, top)
-        kernels_ms = [(name[:90], ms) for _, name, ms in top]
+        kernels_ms = [(name[:90], ms) for _, name, ms, _n in top]
         out[precision] = {"device_ms_by_category": totals, "device_ms_total": sum(totals.values()),
                           "top_kernels": sorted(kernels_ms, key=lambda t: -t[1])[:12]}  # fmt: skip
         say(
@@ -236,14 +236,14 @@ def llama8b_stack(layers: int) -> Any:
         return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
-def categorize(prof: Any, top: list[tuple[str, str, float]] | None = None) -> dict[str, float]:
+def categorize(prof: Any, top: list[tuple[str, str, float, int]] | None = None) -> dict[str, float]:
     """Device ms by kernel category (``fp8rl.train.step_profile``); ``top`` (if given) gets every kernel as
-    (category, name, ms)."""
+    (category, name, ms, launches)."""
     if top is not None:
         for e in prof.key_averages():
             if e.self_device_time_total > 0:
-                top.append((category(e.key), e.key[:100], e.self_device_time_total / 1e3))
-    return device_ms_by_category(prof, on_cuda=True)
+                top.append((category(e.key), e.key[:100], e.self_device_time_total / 1e3, e.count))
+    return device_ms_by_category(prof, on_cuda=True)[0]
 
 
 def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
@@ -285,11 +285,11 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
         r = {"logprob_s": statistics.median(t[0] for t in times), "train_s": statistics.median(t[1] for t in times),
              "step_times_s": times, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
              "logprob_device_ms_by_category": categorize(prof_lp)}  # fmt: skip
-        kernels: list[tuple[str, str, float]] = []
+        kernels: list[tuple[str, str, float, int]] = []
         r["train_device_ms_by_category"] = categorize(prof, kernels)
         r["train_top_kernels"] = sorted(kernels, key=lambda t: -t[2])[:25]
-        for cat, name, ms in r["train_top_kernels"][:14]:
-            say(f"[rlprofile] {precision} {cat:>12} {ms:8.1f} ms  {name}")
+        for cat, name, ms, n in r["train_top_kernels"][:14]:
+            say(f"[rlprofile] {precision} {cat:>12} {ms:8.1f} ms {n:6d}x  {name}")
         r["train_device_ms_total"] = sum(r["train_device_ms_by_category"].values())
         r["logprob_device_ms_total"] = sum(r["logprob_device_ms_by_category"].values())
         out[precision] = r

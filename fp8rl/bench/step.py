@@ -343,6 +343,16 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
         cells = " | ".join(f"{ms[c]:,.0f}" if c in ms else "-" for c in PROFILE_COLUMNS)
         train_s = f"{r.profiled_train_s:.2f}" if r.profiled_train_s is not None else "-"
         lines.append(f"| {r.recipe} | {train_s} | {cells} | {sum(ms.values()):,.0f} |")
+    means = [
+        f"- {r.recipe}: " + ", ".join(
+            f"{c} {n:,.0f} kernels ({r.train_device_ms[c] / n:.3f} ms each)"
+            for c in PROFILE_COLUMNS if (n := (r.train_kernel_calls or {}).get(c)) and c in (r.train_device_ms or {})
+            and r.train_device_ms is not None
+        )
+        for r in profiled if r.train_kernel_calls
+    ]  # fmt: skip
+    if means:
+        lines += ["", "Kernel launches of that step by category, and the mean kernel:", "", *means]
     return lines
 
 

@@ -37,6 +37,7 @@ import torch
 from fp8rl.config import RunConfig
 from fp8rl.loop import build_parts, rl_step, task_examples
 from fp8rl.tasks import Example
+from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
 from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
 from fp8rl.train.step_profile import WALL_KEY as STEP_PROFILE_WALL
 
@@ -103,6 +104,8 @@ class ThroughputResult:
     # (gemm, attention, fp8_quantize, optimizer, nccl, other; on Ray the rank with the most non-NCCL kernel time;
     # sums of kernel time, not busy time: fp8rl.train.step_profile)
     train_device_ms: dict[str, float] | None = None
+    # the same step's kernel launches by category (train_device_ms / these: the mean kernel's milliseconds)
+    train_kernel_calls: dict[str, float] | None = None
     # the profiled policy step's wall seconds (under the profiler, which adds some: compare within the profile)
     profiled_train_s: float | None = None
     # --profile-train: why the profiled step failed (its recipe's timed numbers stand; the CLI exits non-zero)
@@ -123,6 +126,8 @@ class ThroughputResult:
             out[f"{prefix}peak_memory_gb/{actors.replace('+', '_')}"] = gb
         for cat, ms in (self.train_device_ms or {}).items():
             out[f"{prefix}train_device_ms/{cat}"] = ms
+        for cat, n in (self.train_kernel_calls or {}).items():
+            out[f"{prefix}train_kernel_calls/{cat}"] = n
         return out
 
     def to_dict(self) -> dict[str, object]:
@@ -264,6 +269,8 @@ def _profiled_step(
         prompts = random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step)
         metrics = rl_step(cfg, parts, prompts, step)
         by_cat = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+        calls_prefix = "train/" + STEP_PROFILE_CALLS
+        calls = {k.removeprefix(calls_prefix): v for k, v in metrics.items() if k.startswith(calls_prefix)}
         if not by_cat:
             raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
         wall = metrics["train/" + STEP_PROFILE_WALL]  # the policy step's own time, not the profiler's post-processing
@@ -275,7 +282,7 @@ def _profiled_step(
         f"[{cfg.recipe.name}] bench step {step} (profiled, not timed): policy step {wall:.2f}s, "
         "kernel ms " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_cat.items(), key=lambda t: -t[1]))
     )
-    return {"train_device_ms": by_cat, "profiled_train_s": wall}
+    return {"train_device_ms": by_cat, "train_kernel_calls": calls or None, "profiled_train_s": wall}
 
 
 def _stop_ray(started: bool) -> None:

@@ -1,8 +1,8 @@
 """Where a policy step's device time goes, by kernel category: one step under ``torch.profiler``, on request.
 
 ``fp8rl bench step --profile-train`` arms it for one extra step after the timed ones (Ray: on every trainer rank),
-and that step's metrics carry ``profile/train_ms/<category>``: the device milliseconds of its kernels by what
-they are -- cuBLAS/CUTLASS GEMMs, attention, FP8 quantization, the optimizer, NCCL, and everything else (norms,
+and that step's metrics carry ``profile/train_ms/<category>``, and ``profile/train_calls/<category>`` how many
+kernels that was: the device milliseconds of its kernels by what they are -- cuBLAS/CUTLASS GEMMs, attention, FP8 quantization, the optimizer, NCCL, and everything else (norms,
 RoPE, activations, casts, copies, the head's softmax).  That is the breakdown the step-time table cannot give:
 whether a recipe's train phase is bounded by its GEMMs (which FP8 speeds up) or by the rest (which it does not).
 On the CPU the same categories are taken from the aten ops' own CPU time, so the plumbing is testable there.
@@ -24,6 +24,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol
 import torch
 
 METRIC_PREFIX = "profile/train_ms/"
+CALLS_PREFIX = "profile/train_calls/"  # how many kernels (CPU: ops) of each category ran: ms / calls is the mean
 WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profiler, without its post-processing)
 
 # (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
@@ -41,16 +42,18 @@ def category(name: str) -> str:
     return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def device_ms_by_category(prof: Any, on_cuda: bool) -> dict[str, float]:
-    """Milliseconds by category from a finished ``torch.profiler.profile``: the kernels' own device time on CUDA,
-    the ops' own CPU time otherwise."""
+def device_ms_by_category(prof: Any, on_cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """Milliseconds and launch counts by category from a finished ``torch.profiler.profile``: the kernels' own
+    device time on CUDA, the ops' own CPU time otherwise."""
     totals: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for e in prof.key_averages():
         us = e.self_device_time_total if on_cuda else e.self_cpu_time_total
         if us > 0:
             cat = category(e.key)
             totals[cat] = totals.get(cat, 0.0) + us / 1e3
-    return totals
+            calls[cat] = calls.get(cat, 0.0) + float(e.count)
+    return totals, calls
 
 
 class StepProfile:
@@ -85,7 +88,9 @@ class StepProfile:
             wall = time.perf_counter() - t0  # the step's own time, without the profiler's post-processing below
         finally:
             prof.stop()
-        out.update({METRIC_PREFIX + k: v for k, v in device_ms_by_category(prof, on_cuda).items()})
+        ms, calls = device_ms_by_category(prof, on_cuda)
+        out.update({METRIC_PREFIX + k: v for k, v in ms.items()})
+        out.update({CALLS_PREFIX + k: v for k, v in calls.items()})
         out[WALL_KEY] = wall
 
 

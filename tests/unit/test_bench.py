@@ -181,6 +181,7 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
         assert r["steps"] == 2 and r["warmup_steps"] == 1 and r["peak_memory_gb"] is None  # CPU
         # --profile-train: one more step (in the recipe's own process), its policy step's time by category
         assert r["train_device_ms"]["gemm"] > 0 and r["train_device_ms"]["other"] > 0 and r["profiled_train_s"] > 0
+        assert set(r["train_kernel_calls"]) == set(r["train_device_ms"]) and r["train_kernel_calls"]["gemm"] >= 1
     assert by["bf16"]["speedup_vs_bf16"] == {"step": 1.0, "rollout": 1.0, "train": 1.0}
     up = by["fp8-e2e"]["speedup_vs_bf16"]
     assert up["step"] == pytest.approx(by["bf16"]["step_s"] / by["fp8-e2e"]["step_s"])
@@ -188,6 +189,8 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     assert "| fp8-e2e |" in table and f"{up['step']:.2f}x" in table
     assert "every weight sync verified bit for bit" in table
     assert "Train phase by kernel category" in table
+    g = by["fp8-e2e"]["train_kernel_calls"]["gemm"]
+    assert f"gemm {g:,.0f} kernels ({by['fp8-e2e']['train_device_ms']['gemm'] / g:.3f} ms each)" in table
     assert (
         f"| fp8-e2e | {by['fp8-e2e']['profiled_train_s']:.2f} | {by['fp8-e2e']['train_device_ms']['gemm']:,.0f} |"
         in table
@@ -206,6 +209,7 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     assert children["fp8-e2e"].data.metrics["bench/train_device_ms/gemm"] == pytest.approx(
         by["fp8-e2e"]["train_device_ms"]["gemm"]
     )
+    assert children["fp8-e2e"].data.metrics["bench/train_kernel_calls/gemm"] == g
     (parent,) = [r for r in runs if not r.data.tags.get("mlflow.parentRunId")]
     logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"bench_step.json", "bench_step.md", "bench_step.png"} <= logged

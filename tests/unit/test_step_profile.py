@@ -13,7 +13,7 @@ import torch
 
 from fp8rl.cluster.groups import combine_rank_metrics
 from fp8rl.config import GRPOConfig
-from fp8rl.train.step_profile import METRIC_PREFIX, WALL_KEY, category
+from fp8rl.train.step_profile import CALLS_PREFIX, METRIC_PREFIX, WALL_KEY, category
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 
@@ -58,6 +58,10 @@ def test_an_armed_policy_step_reports_its_kernel_time_and_is_the_same_step(tiny_
     first, armed, after = profiled_run
     times = {k.removeprefix(METRIC_PREFIX): v for k, v in armed.items() if k.startswith(METRIC_PREFIX)}
     assert times["gemm"] > 0 and times["other"] > 0 and times["optimizer"] >= 0
+    calls = {k.removeprefix(CALLS_PREFIX): v for k, v in armed.items() if k.startswith(CALLS_PREFIX)}
+    assert set(calls) == set(times) and all(n >= 1 and n == int(n) for n in calls.values())
+    # two micro-batches, forward and backward through every linear of the tiny model: many GEMMs, not one
+    assert calls["gemm"] >= 2 * 2 * 7
     assert not any(k.startswith(METRIC_PREFIX) for m in (first, after) for k in m)
     assert armed[WALL_KEY] > 0
     for a, b in zip(plain, profiled_run, strict=True):  # the profiler watched; it changed nothing
