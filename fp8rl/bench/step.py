@@ -261,10 +261,20 @@ def _headline(meta: dict[str, Any]) -> str:
             f", Ray {ray['layout']} layout, {ray['trainer_workers']} trainer ({ray['trainer_sharding']}) + "
             f"{ray['rollout_workers']} rollout worker(s), sync {ray['sync']}"
         )
-    return (
+    head = (
         f"{meta.get('model')} on {where}, {meta.get('prompts')} prompts x {meta.get('samples')} samples x "
         f"{meta.get('max_tokens')} tokens"
     )
+    rollout, optim = meta.get("rollout") or {}, meta.get("optim") or {}
+    settings = [f"rollout {rollout['engine']}"] if "engine" in rollout else []
+    if rollout.get("fp8_scaling") == "channel":
+        settings.append("FP8 rollout weights per channel")
+    if optim.get("micro_batch_tokens"):
+        settings.append(f"{optim['micro_batch_tokens']}-token micro-batches")
+    settings += [what for key, what in (("activation_checkpointing", "activation checkpointing"),
+                                        ("compile_elementwise", "compiled norms and SiLU gate"),
+                                        ("offload_optimizer_state", "AdamW state offloaded")) if optim.get(key)]  # fmt: skip
+    return head + (f" ({', '.join(settings)})" if settings else "")
 
 
 def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -357,10 +367,12 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
 
 
 def run_metadata(
-    model: str, bench: StepBench, results: Sequence[ThroughputResult], ray: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    model: str, bench: StepBench, results: Sequence[ThroughputResult], ray: dict[str, Any] | None = None,
+    cfg: RunConfig | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """What the run was: sizes, versions, the device and how many of its GPUs were visible, the Ray section with
-    its defaults filled in (layout, workers, sharding, sync; None: one process)."""
+    its defaults filled in (layout, workers, sharding, sync; None: one process), and ``cfg``'s (a recipe's step
+    config) rollout and optim sections as every recipe ran them (engine, FP8 scaling, micro-batches, compile...)."""
     import transformers
 
     from fp8rl.config import RayConfig
@@ -373,6 +385,8 @@ def run_metadata(
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "ray": RayConfig.model_validate(ray).model_dump(mode="json") if ray is not None else None,
+        "rollout": cfg.rollout.model_dump(mode="json") if cfg is not None else None,
+        "optim": cfg.optim.model_dump(mode="json") if cfg is not None else None,
     }  # fmt: skip
     for name in ("vllm", "transformer_engine"):
         try:

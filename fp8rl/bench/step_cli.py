@@ -65,6 +65,7 @@ def main_with_args(args: argparse.Namespace) -> int:
         report,
         run_metadata,
         run_step_bench,
+        step_config,
         write_outputs,
     )  # fmt: skip
     from fp8rl.bench.throughput import resolve_device
@@ -94,7 +95,8 @@ def main_with_args(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(work) / "bench-step")
     results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate,
                              parts_dir=out / "recipes", resume=args.resume)  # fmt: skip
-    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray")))
+    cfg = step_config(base, bench.recipes[0], bench, work)  # the sections every recipe shares
+    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray"), cfg))
     files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
     print(table)
     print("wrote " + ", ".join(str(f) for f in files))

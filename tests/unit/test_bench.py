@@ -167,9 +167,12 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     work = tmp_path / "work"
     argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16,fp8-e2e", "--prompts", "2", "--samples", "2",
             "--max-tokens", "24", "--steps", "2", "--warmup", "1", "--device", "cpu", "--work-dir", str(work),
-            "--verify-sync", "--profile-train"]  # fmt: skip
+            "--verify-sync", "--profile-train", "--set", "rollout.fp8_scaling=channel"]  # fmt: skip
     assert main(argv) == 0
     doc = json.loads((work / "bench-step" / "bench_step.json").read_text())
+    # what every recipe ran with is recorded (bf16 ignores the FP8 scaling; fp8-e2e's syncs, verified, were per channel)
+    assert doc["meta"]["rollout"]["fp8_scaling"] == "channel" and doc["meta"]["rollout"]["engine"] == "torch"
+    assert doc["meta"]["optim"]["micro_batch_tokens"] == 16384 and not doc["meta"]["optim"]["compile_elementwise"]
     assert doc["meta"]["verify_sync"] is True and doc["meta"]["gpus"] == 0 and doc["meta"]["ray"] is None
     assert doc["meta"]["profile_train"] is True
     by = {r["recipe"]: r for r in doc["results"]}
@@ -188,6 +191,7 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     table = (work / "bench-step" / "bench_step.md").read_text()
     assert "| fp8-e2e |" in table and f"{up['step']:.2f}x" in table
     assert "every weight sync verified bit for bit" in table
+    assert "(rollout torch, FP8 rollout weights per channel, 16384-token micro-batches)" in table
     assert "Train phase by kernel category" in table
     g = by["fp8-e2e"]["train_kernel_calls"]["gemm"]
     assert f"gemm {g:,.0f} kernels ({by['fp8-e2e']['train_device_ms']['gemm'] / g:.3f} ms each)" in table
