@@ -30,10 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize(("backend", "precision"), [("torch", "bf16"), ("torch", "fp8"), ("te", "fp8")])
 def test_sharded_trainer_on_cuda_matches_the_replicated_one(
-    tiny_models: dict[str, Path], tmp_path: Path, precision: str
+    tiny_models: dict[str, Path], tmp_path: Path, backend: str, precision: str
 ) -> None:
+    """``te``: the TransformerEngine trainer (te.Linear under te.autocast, block scaling) sharded the same way:
+    FSDP2 gathers the bf16 weights its te.Linear layers read (the config refuses TE with FSDP until this passes)."""
     from sharded_trainer_worker import fixed_batch
 
     from fp8rl.config import GRPOConfig
@@ -41,19 +43,26 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89+")
+    trainer_class: type[TorchTrainer] = TorchTrainer
+    if backend == "te":
+        pytest.importorskip("transformer_engine")
+        from fp8rl.train.te_trainer import TETrainer
+
+        trainer_class = TETrainer
     model = tiny_models["small"]  # whole 128-tiles: the fused Hopper path
     world = min(torch.cuda.device_count(), 2)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(ROOT / "tests/integration/sharded_trainer_worker.py"), str(model), str(tmp_path), "--precision",
-           precision, "--device", "cuda"]  # fmt: skip
+           precision, "--device", "cuda", "--backend", backend]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "result.pt", weights_only=False)
     batch, adv, old, mask = fixed_batch()
 
     def replicated() -> tuple[TorchTrainer, list[dict[str, float]]]:
-        t = TorchTrainer(model, TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4), device="cuda")
+        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, backend=backend)
+        t = trainer_class(model, opts, device="cuda")
         return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
 
     # the replicated trainer twice: how far two runs of the same thing land apart on this GPU (its kernels'

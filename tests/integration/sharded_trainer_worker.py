@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--backend", default="torch", help="torch | te (TransformerEngine linears: a GPU with TE)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--activation-checkpointing", action="store_true")
@@ -74,10 +75,16 @@ def main() -> None:
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = TrainerOptions(
-        precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp",
+        precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp", backend=args.backend,
         activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state,
     )  # fmt: skip
-    trainer = TorchTrainer(args.model, opts, device=device)
+    trainer: TorchTrainer
+    if args.backend == "te":
+        from fp8rl.train.te_trainer import TETrainer
+
+        trainer = TETrainer(args.model, opts, device=device)
+    else:
+        trainer = TorchTrainer(args.model, opts, device=device)
     if args.resume:
         trainer.load_state_dict(torch.load(args.resume, weights_only=False))
     batch, adv, old, mask = fixed_batch()
