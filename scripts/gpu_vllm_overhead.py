@@ -215,19 +215,44 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
 VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv")
 
 
-def variant_recipe(variant: str) -> Any:
-    """The rollout recipe of a variant: bf16 or fp8-rollout (block FP8); -kv: with the FP8 KV cache."""
+def variant_settings(variant: str, rollout: Any) -> tuple[Any, Any]:
+    """A variant's rollout recipe (bf16, or fp8-rollout's block FP8; -kv: the FP8 KV cache) and rollout config
+    (fp8-row: ``fp8_scaling: channel``, per-channel weights the engine converts from BF16)."""
     from fp8rl.config import load_recipe
 
     recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
     if variant.endswith("-kv"):
         recipe = recipe.model_copy(update={"kv_cache": "fp8"})
-    return recipe
+    scaling = "channel" if variant.startswith("fp8-row") else "recipe"
+    return recipe, rollout.model_copy(update={"fp8_scaling": scaling})
 
 
-def main() -> None:
+def random_checkpoints(shape: str) -> tuple[Any, Any]:
+    """(BF16, FP8) checkpoints of ``shape``: qwen3b's two, or the bench's BF16 one for both (fp8rl's engine
+    converts it to FP8 under WORK / "o")."""
+    if shape == "qwen3b":
+        return write_random_3b(WORK / "qwen3b-bf16", fp8=False), write_random_3b(WORK / "qwen3b-fp8", fp8=True)
+    from fp8rl.bench.step import make_shape_model
+
+    bf16 = make_shape_model(shape, WORK / "bench-models" / shape, "cuda")
+    return bf16, bf16
+
+
+def start_engine(variant: str, recipe: Any, rollout: Any, bf16_dir: Any, fp8_dir: Any) -> Any:
+    """The variant's engine: fp8rl's in this process, or ``ProcessEngine`` on the checkpoint fp8rl's would serve.
+    Per-channel variants start from BF16 (the qwen3b FP8 checkpoint is block)."""
+    model_dir = bf16_dir if variant == "bf16" or rollout.fp8_scaling == "channel" else fp8_dir
+    if not ENGINE_PROCESS:
+        return engine(model_dir, recipe, WORK / "o", rollout=rollout)
+    from fp8rl.config import rollout_recipe
+    from fp8rl.rollout.vllm_weights import serving_checkpoint
+
+    return ProcessEngine(serving_checkpoint(model_dir, rollout_recipe(recipe, rollout), WORK / "o"), recipe, rollout)
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="bf16,fp8,fp8-kv", help="of bf16, fp8, fp8-kv, fp8-row, fp8-row-kv")
+    p.add_argument("--variants", default="bf16,fp8,fp8-kv", help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--shape", default="qwen3b", help="qwen3b, or a shape of fp8rl bench step (e.g. llama-8b)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=1024)
@@ -243,46 +268,36 @@ def main() -> None:
     if unknown:
         p.error(f"--modes: unknown {unknown}; expected some of {sorted(short)}")
     args.modes = [short[m] for m in args.modes.split(",") if m]
+    args.variants = args.variants.split(",")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     import torch
 
     from fp8rl.bench.kernels import copy_bandwidth_gbs
-    from fp8rl.config import RolloutConfig, rollout_recipe
+    from fp8rl.config import RolloutConfig
 
     results = start_report()
     out = OUT / "gpu_vllm_overhead.json"
     bw = copy_bandwidth_gbs() * 1e9
-    results.update(copy_bandwidth_gb_s=bw / 1e9, batch=args.batch, max_tokens=args.max_tokens, variants={})
-    results.update(long_batch=args.long_batch, long_tokens=args.long_tokens)
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
     dims = shape_dims(args.shape)
-    results.update(shape=args.shape, dims=dims)
-    if args.shape == "qwen3b":
-        bf16_dir = write_random_3b(WORK / "qwen3b-bf16", fp8=False)
-        fp8_dir = write_random_3b(WORK / "qwen3b-fp8", fp8=True)
-    else:  # the bench's random checkpoint; fp8rl's engine converts it to block FP8 under WORK / "o"
-        from fp8rl.bench.step import make_shape_model
-
-        bf16_dir = fp8_dir = make_shape_model(args.shape, WORK / "bench-models" / args.shape, "cuda")
+    results.update(copy_bandwidth_gb_s=bw / 1e9, batch=args.batch, max_tokens=args.max_tokens, variants={},
+                   long_batch=args.long_batch, long_tokens=args.long_tokens, shape=args.shape, dims=dims)  # fmt: skip
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    bf16_dir, fp8_dir = random_checkpoints(args.shape)
     model_len = 64 + max(args.max_tokens, args.long_tokens) + 64
     rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.55, enforce_eager=False, max_model_len=model_len)
     gen = torch.Generator().manual_seed(0)
     vocab = min(150_000, dims["vocab_size"] - 1)
     prompts_ids = torch.randint(10, vocab, (max(args.batch, args.long_batch), 64), generator=gen).tolist()
-    for variant in args.variants.split(","):
-        recipe = variant_recipe(variant)
-        # fp8-row: per-channel, converted by the engine from BF16 (the qwen3b FP8 checkpoint is block)
-        served = rollout.model_copy(update={"fp8_scaling": "channel" if variant.startswith("fp8-row") else "recipe"})
-        model_dir = bf16_dir if variant == "bf16" or variant.startswith("fp8-row") else fp8_dir
-        if ENGINE_PROCESS:
-            from fp8rl.rollout.vllm_weights import serving_checkpoint
-
-            model_dir = serving_checkpoint(model_dir, rollout_recipe(recipe, served), WORK / "o")
-            e = ProcessEngine(model_dir, recipe, served)
-        else:
-            e = engine(model_dir, recipe, WORK / "o", rollout=served)
+    for variant in args.variants:
+        recipe, served = variant_settings(variant, rollout)
+        e = start_engine(variant, recipe, served, bf16_dir, fp8_dir)
         entry: dict[str, Any] = {"kernels": {} if ENGINE_PROCESS else kernel_names(e), "modes": {}, "long": {}}
         entry.update(
             engine_process=ENGINE_PROCESS, roofline=roofline(dims, variant, args.batch, 64, args.max_tokens, bw)

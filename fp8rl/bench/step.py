@@ -265,7 +265,7 @@ def _headline(meta: dict[str, Any]) -> str:
         f"{meta.get('model')} on {where}, {meta.get('prompts')} prompts x {meta.get('samples')} samples x "
         f"{meta.get('max_tokens')} tokens"
     )
-    rollout, optim = meta.get("rollout") or {}, meta.get("optim") or {}
+    rollout, optim = meta.get("rollout") or {}, meta.get("optim") or {}  # absent in results written before them
     settings = [f"rollout {rollout['engine']}"] if "engine" in rollout else []
     if rollout.get("fp8_scaling") == "channel":
         settings.append("FP8 rollout weights per channel")
@@ -353,29 +353,23 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
         cells = " | ".join(f"{ms[c]:,.0f}" if c in ms else "-" for c in PROFILE_COLUMNS)
         train_s = f"{r.profiled_train_s:.2f}" if r.profiled_train_s is not None else "-"
         lines.append(f"| {r.recipe} | {train_s} | {cells} | {sum(ms.values()):,.0f} |")
-    means = [
-        f"- {r.recipe}: " + ", ".join(
-            f"{c} {n:,.0f} kernels ({r.train_device_ms[c] / n:.3f} ms each)"
-            for c in PROFILE_COLUMNS if (n := (r.train_kernel_calls or {}).get(c)) and c in (r.train_device_ms or {})
-            and r.train_device_ms is not None
-        )
-        for r in profiled if r.train_kernel_calls
-    ]  # fmt: skip
+    means = []
+    for r in profiled:
+        ms, calls = r.train_device_ms or {}, r.train_kernel_calls or {}
+        each = [f"{c} {calls[c]:,.0f} kernels ({ms[c] / calls[c]:.3f} ms each)" for c in PROFILE_COLUMNS
+                if calls.get(c) and c in ms]  # fmt: skip
+        if each:
+            means.append(f"- {r.recipe}: " + ", ".join(each))
     if means:
         lines += ["", "Kernel launches of that step by category, and the mean kernel:", "", *means]
     return lines
 
 
-def run_metadata(
-    model: str, bench: StepBench, results: Sequence[ThroughputResult], ray: dict[str, Any] | None = None,
-    cfg: RunConfig | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """What the run was: sizes, versions, the device and how many of its GPUs were visible, the Ray section with
-    its defaults filled in (layout, workers, sharding, sync; None: one process), and ``cfg``'s (a recipe's step
-    config) rollout and optim sections as every recipe ran them (engine, FP8 scaling, micro-batches, compile...)."""
+def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResult], cfg: RunConfig) -> dict[str, Any]:
+    """What the run was: sizes, versions, the device and how many of its GPUs were visible, and ``cfg``'s (a
+    recipe's step config) sections every recipe ran with: Ray (layout, workers, sharding, sync; None: one
+    process), rollout (engine, FP8 scaling...) and optim (micro-batches, checkpointing, compile...)."""
     import transformers
-
-    from fp8rl.config import RayConfig
 
     meta: dict[str, Any] = {
         "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
@@ -384,9 +378,9 @@ def run_metadata(
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "ray": RayConfig.model_validate(ray).model_dump(mode="json") if ray is not None else None,
-        "rollout": cfg.rollout.model_dump(mode="json") if cfg is not None else None,
-        "optim": cfg.optim.model_dump(mode="json") if cfg is not None else None,
+        "ray": cfg.ray.model_dump(mode="json") if cfg.ray is not None else None,
+        "rollout": cfg.rollout.model_dump(mode="json"),
+        "optim": cfg.optim.model_dump(mode="json"),
     }  # fmt: skip
     for name in ("vllm", "transformer_engine"):
         try:

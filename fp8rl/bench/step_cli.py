@@ -96,7 +96,7 @@ def main_with_args(args: argparse.Namespace) -> int:
     results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate,
                              parts_dir=out / "recipes", resume=args.resume)  # fmt: skip
     cfg = step_config(base, bench.recipes[0], bench, work)  # the sections every recipe shares
-    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, base.get("ray"), cfg))
+    doc, table = report(results, run_metadata(args.shape or str(model), bench, results, cfg))
     files = write_outputs(doc, table, out / "bench_step.json", out / "bench_step.md", out / "bench_step.png")
     print(table)
     print("wrote " + ", ".join(str(f) for f in files))

@@ -263,14 +263,15 @@ def _profiled_step(
 ) -> dict[str, Any]:
     """One more RL step with the trainer's policy step under the profiler: ``ThroughputResult``'s profile fields,
     its kernel ms by category and wall seconds or, when it fails, the error (the timed steps before it stand)."""
-    prefix = "train/" + STEP_PROFILE_PREFIX  # the trainer's metrics come back under train/
+
+    def under(prefix: str) -> dict[str, float]:  # the trainer's metrics come back under train/
+        return {k.removeprefix("train/" + prefix): v for k, v in metrics.items() if k.startswith("train/" + prefix)}
+
     try:
         parts.trainer.profile_next_policy_step()
         prompts = random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step)
         metrics = rl_step(cfg, parts, prompts, step)
-        by_cat = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
-        calls_prefix = "train/" + STEP_PROFILE_CALLS
-        calls = {k.removeprefix(calls_prefix): v for k, v in metrics.items() if k.startswith(calls_prefix)}
+        by_cat, calls = under(STEP_PROFILE_PREFIX), under(STEP_PROFILE_CALLS)
         if not by_cat:
             raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
         wall = metrics["train/" + STEP_PROFILE_WALL]  # the policy step's own time, not the profiler's post-processing

@@ -294,22 +294,26 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
         module, suffix = split_param(name)
         if suffix in SCALE_SUFFIX.values():
             continue
-        if suffix == "weight" and tensor.dtype == torch.float8_e4m3fn:
-            if f"{module}.weight_scale_inv" in flat:
-                out[name] = QuantizedTensor(tensor, flat[f"{module}.weight_scale_inv"], "block", E4M3, FP8_BLOCK)
-            elif f"{module}.weight_scale" in flat:
-                scale = flat[f"{module}.weight_scale"]
-                if scale.numel() != tensor.shape[0]:
-                    raise VLLMPatchError(
-                        f"{module}.weight_scale: {tuple(scale.shape)} is not one scale per row of {name} "
-                        f"{tuple(tensor.shape)}; vLLM's per-channel layout moved"
-                    )
-                out[name] = QuantizedTensor(tensor, scale.reshape(-1, 1), "row", E4M3)
-            else:
-                raise VLLMPatchError(f"{name} is FP8 but vLLM holds no {module}.weight_scale_inv or .weight_scale")
-        else:
-            out[name] = tensor
+        out[name] = _quantized(name, tensor, flat) if suffix == "weight" and tensor.dtype == E4M3.dtype else tensor
     return out
+
+
+def _quantized(name: str, data: torch.Tensor, flat: Mapping[str, torch.Tensor]) -> QuantizedTensor:
+    """The FP8 weight ``name`` with the scales vLLM holds beside it, by their name (``SCALE_SUFFIX``)."""
+    module, _ = split_param(name)
+    for granularity, suffix in SCALE_SUFFIX.items():
+        scale = flat.get(f"{module}.{suffix}")
+        if scale is None:
+            continue
+        if granularity == "block":
+            return QuantizedTensor(data, scale, "block", E4M3, FP8_BLOCK)
+        if scale.numel() != data.shape[0]:
+            raise VLLMPatchError(
+                f"{module}.{suffix}: {tuple(scale.shape)} is not one scale per row of {name} {tuple(data.shape)}; "
+                "vLLM's per-channel layout moved"
+            )
+        return QuantizedTensor(data, scale.reshape(-1, 1), "row", E4M3)
+    raise VLLMPatchError(f"{name} is FP8 but vLLM holds no {module}.weight_scale_inv or .weight_scale")
 
 
 def checkpoint_items(weights: Mapping[str, torch.Tensor | QuantizedTensor]) -> list[tuple[str, torch.Tensor]]:
