@@ -362,6 +362,45 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
             means.append(f"- {r.recipe}: " + ", ".join(each))
     if means:
         lines += ["", "Kernel launches of that step by category, and the mean kernel:", "", *means]
+    return lines + _quantize_table(profiled)
+
+
+def quantize_bytes(label: str) -> float | None:
+    """Bytes a quantization launch moves (bf16 input read once, one FP8 byte and 4/group scale bytes written per
+    value and copy) from its ``fp8rl.quant.kernels`` label ``GxS/RxC/copies``; None for a label of another form."""
+    parts = label.split("/")
+    try:
+        group = [int(v) for v in parts[0].split("x")]
+        rows, cols = (int(v) for v in parts[1].split("x"))
+    except (ValueError, IndexError):
+        return None
+    copies = 2 if parts[2].endswith("transposed") and parts[2] != "transposed" else 1
+    values = rows * cols
+    return values * 2 + copies * values * (1 + 4 / (group[0] * group[1]))
+
+
+def _quantize_table(profiled: Sequence[ThroughputResult]) -> list[str]:
+    """The profiled step's FP8 quantization kernels by what each quantized, with the bandwidth each reached."""
+    lines: list[str] = []
+    for r in profiled:
+        ms, calls = r.train_quant_ms or {}, r.train_quant_calls or {}
+        if not ms:
+            continue
+        if not lines:
+            lines = [
+                "",
+                "FP8 quantization kernels of that step by what each quantized (granularity / rows x columns of a "
+                "launch / copies written; GB/s: bf16 read once + FP8 bytes and scales written, over kernel time):",
+                "",
+                "| recipe | launch | kernels | ms | ms each | GB/s |",
+                "|---|---|---|---|---|---|",
+            ]
+        for label, total in sorted(ms.items(), key=lambda t: -t[1]):
+            n = calls.get(label, 0.0)
+            size = quantize_bytes(label)
+            gbps = f"{size * n / (total / 1e3) / 1e9:,.0f}" if size and n and total > 0 else "-"
+            each = f"{total / n:.3f}" if n else "-"
+            lines.append(f"| {r.recipe} | {label} | {n:,.0f} | {total:,.1f} | {each} | {gbps} |")
     return lines
 
 

@@ -39,6 +39,7 @@ from fp8rl.loop import build_parts, rl_step, task_examples
 from fp8rl.tasks import Example
 from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
 from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
+from fp8rl.train.step_profile import QUANT_CALLS_PREFIX, QUANT_MS_PREFIX, QUANT_UNPAIRED
 from fp8rl.train.step_profile import WALL_KEY as STEP_PROFILE_WALL
 
 # metric key of fp8rl.loop.rl_step -> field of ThroughputResult
@@ -106,6 +107,10 @@ class ThroughputResult:
     train_device_ms: dict[str, float] | None = None
     # the same step's kernel launches by category (train_device_ms / these: the mean kernel's milliseconds)
     train_kernel_calls: dict[str, float] | None = None
+    # the same step's FP8 quantization kernels by what each quantized (granularity/rows x columns/copies): ms and
+    # launches (fp8rl.train.step_profile.quantize_ms_by_launch); None where not profiled or not paired
+    train_quant_ms: dict[str, float] | None = None
+    train_quant_calls: dict[str, float] | None = None
     # the profiled policy step's wall seconds (under the profiler, which adds some: compare within the profile)
     profiled_train_s: float | None = None
     # --profile-train: why the profiled step failed (its recipe's timed numbers stand; the CLI exits non-zero)
@@ -272,6 +277,9 @@ def _profiled_step(
         prompts = random.Random(cfg.seed + step).sample(train_pool, cfg.grpo.prompts_per_step)
         metrics = rl_step(cfg, parts, prompts, step)
         by_cat, calls = under(STEP_PROFILE_PREFIX), under(STEP_PROFILE_CALLS)
+        quant_ms, quant_calls = under(QUANT_MS_PREFIX), under(QUANT_CALLS_PREFIX)
+        if "train/" + QUANT_UNPAIRED in metrics:
+            log(f"[{cfg.recipe.name}] quantization launches and kernel events did not pair; no per-shape times")
         if not by_cat:
             raise RuntimeError(f"[{cfg.recipe.name}] the profiled step reported no kernel times")
         wall = metrics["train/" + STEP_PROFILE_WALL]  # the policy step's own time, not the profiler's post-processing
@@ -283,7 +291,10 @@ def _profiled_step(
         f"[{cfg.recipe.name}] bench step {step} (profiled, not timed): policy step {wall:.2f}s, "
         "kernel ms " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(by_cat.items(), key=lambda t: -t[1]))
     )
-    return {"train_device_ms": by_cat, "train_kernel_calls": calls or None, "profiled_train_s": wall}
+    return {
+        "train_device_ms": by_cat, "train_kernel_calls": calls or None, "profiled_train_s": wall,
+        "train_quant_ms": quant_ms or None, "train_quant_calls": quant_calls or None,
+    }  # fmt: skip
 
 
 def _stop_ray(started: bool) -> None:

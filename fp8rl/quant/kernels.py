@@ -32,6 +32,8 @@ GEMM reads (``fp8rl.quant.gemm``) without a copy.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -211,7 +213,29 @@ GROUPS_COLWISE_CONFIG: tuple[int, int, str] = (64, 4, "split")
 TILES_WARPS = 16
 
 
-def _launch(kernel, grid: tuple[int, ...], args: tuple[object, ...], num_warps: int, **constexprs: object) -> None:
+class _LaunchLog:
+    """What each kernel launch quantized, in launch order, while ``record_launches`` is active (else nothing)."""
+
+    labels: list[str] | None = None
+
+
+@contextmanager
+def record_launches() -> Iterator[list[str]]:
+    """Collect a label per quantization kernel launched in the block (``"1x128/16384x4096/rowwise"``, ...), in launch
+    order: a profiler's kernel events of the same stream pair with them one to one (``fp8rl.train.step_profile``)."""
+    before, labels = _LaunchLog.labels, list[str]()
+    _LaunchLog.labels = labels
+    try:
+        yield labels
+    finally:
+        _LaunchLog.labels = before
+
+
+def _launch(
+    kernel, grid: tuple[int, ...], args: tuple[object, ...], num_warps: int, label: str = "", **constexprs: object
+) -> None:
+    if _LaunchLog.labels is not None:
+        _LaunchLog.labels.append(label or kernel.fn.__name__.strip("_"))
     kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
@@ -278,7 +302,7 @@ def quantize_groups(
              x.stride(0), x.stride(1),
              c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
              r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-            w,
+            w, f"1x{group}/{r_out}x{c}/" + ("rowwise_transposed" if rw and cw else "rowwise" if rw else "transposed"),
             FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br, BC=bc,
             ROWWISE=rw, TRANSPOSE=cw,
         )  # fmt: skip
@@ -342,7 +366,7 @@ def quantize_tiles(
          r, c,
          x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
          r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-        warps or (TILES_WARPS if br * bc >= 8192 else 4),
+        warps or (TILES_WARPS if br * bc >= 8192 else 4), f"{br}x{bc}/{r}x{c}/" + ("tiles_transposed" if transpose else "tiles"),
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
     )  # fmt: skip
     return q, s, qt, st

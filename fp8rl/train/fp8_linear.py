@@ -16,6 +16,8 @@ rollout engine and in the converted checkpoint.  Two paths compute the same FP8 
   (q/k/v, gate/up) share that pass (``_SharedInput``); one pass over dY gives both of its copies; the
   weight and its transpose are quantized once per weight version (once per optimizer step, not
   per micro-batch; under FSDP2, once per ``weights_changed`` call) and cached on the module; the GEMMs are cuBLAS block-scaled GEMMs.
+  Under activation checkpointing (``checkpoint_contexts``) a layer's first forward makes no transposed copy of X:
+  what it saves is dropped, and the recompute before the backward makes the copy the wgrad reads.
 - reference (everything else, the CPU): the torch quantizers and ``fp8_gemm`` (tensor cores
   where cuBLAS takes the operands, exact emulation on CPU).
 
@@ -25,7 +27,10 @@ The module holds the weight in the model's dtype (bf16); master weights live in 
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -37,9 +42,40 @@ from fp8rl.quant.block_linear import (
     block_linear_supported,
     block_mm,
     block_wgrad,
+    padded_rows,
     quantize_block_input,
     quantize_block_weight,
 )
+from fp8rl.quant.formats import get_format
+
+
+class _CheckpointState(threading.local):
+    discarded = False  # inside the first forward of a checkpointed region: what autograd saves there is dropped
+
+
+_checkpoint_state = _CheckpointState()
+
+
+@contextmanager
+def _discarded_forward() -> Iterator[None]:
+    before = _checkpoint_state.discarded
+    _checkpoint_state.discarded = True
+    try:
+        yield
+    finally:
+        _checkpoint_state.discarded = before
+
+
+def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """``context_fn`` for non-reentrant ``torch.utils.checkpoint``: (the first forward's, the recompute's).
+
+    Non-reentrant checkpointing runs a region's first forward with gradients on and keeps only the metadata of
+    what it saves; the recompute in the backward saves the tensors the backward reads.  In the first forward
+    the fused FP8 linear therefore skips the transposed (wgrad) copy of its input and saves placeholders of
+    the same shape, dtype and device (stride-0 views, no memory), which the checkpoint's determinism check
+    compares against the recompute's real copies.  The forward output is computed exactly as in the recompute.
+    """
+    return _discarded_forward(), nullcontext()
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -104,14 +140,30 @@ class _SharedInput:
 _shared_input = _SharedInput()
 
 
-def _quantize_input(x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...]:
-    """``quantize_block_input`` of ``x`` viewed as ``[M, K]``, shared with the previous linear when it read ``x``."""
+def _quantize_input(
+    x: torch.Tensor, spec: QuantSpec, colwise: bool, wgrad_rows: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """``quantize_block_input`` of ``x`` viewed as ``[M, K]``, shared with the previous linear when it read ``x``.
+
+    ``wgrad_rows``: pad the rows as the transposed copy needs even without it (a checkpointed first forward), so
+    its GEMM runs on the same operand shape as the recompute's."""
     cached = _shared_input.get(x, spec, colwise)
     if cached is not None:
         return cached
-    value = quantize_block_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise)
+    value = quantize_block_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise, wgrad_rows=wgrad_rows)
     _shared_input.put(x, spec, value)
     return value
+
+
+def _placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stride-0 stand-ins with the shapes, dtypes and device of ``quantize_block_input``'s transposed copy of an
+    ``[m, k]`` input and its scales (what a checkpointed first forward saves; the recompute saves the real ones)."""
+    mp = padded_rows(m, 128)
+    fp8 = get_format(spec.fmt).dtype
+    return (
+        torch.empty((), dtype=fp8, device=device).expand(k, mp),
+        torch.empty((), dtype=torch.float32, device=device).expand(k, -(-mp // 128)),
+    )
 
 
 class _FusedBlockFP8LinearFunction(torch.autograd.Function):
@@ -129,11 +181,14 @@ class _FusedBlockFP8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         m = x.numel() // k
-        xq, xs, xqt, xst = _quantize_input(x, spec, colwise=need_wgrad)
+        discarded = need_wgrad and _checkpoint_state.discarded  # saved tensors dropped: no transposed copy
+        xq, xs, xqt, xst = _quantize_input(x, spec, colwise=need_wgrad and not discarded, wgrad_rows=need_wgrad)
         assert xq is not None and xs is not None
         out = block_mm(xq, xs, wq.q, wq.scale_cublas, m)
         if bias is not None:
             out = out + bias.to(out.dtype)
+        if discarded:
+            xqt, xst = _placeholders(k, m, spec, x.device)
         ctx.save_for_backward(xqt, xst)
         ctx.wq, ctx.spec, ctx.m, ctx.has_bias = wq, spec, m, bias is not None
         ctx.weight_dtype = weight.dtype

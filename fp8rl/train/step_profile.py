@@ -23,8 +23,17 @@ from typing import Any, Concatenate, ParamSpec, Protocol
 
 import torch
 
+from fp8rl.quant import kernels
+
 METRIC_PREFIX = "profile/train_ms/"
 CALLS_PREFIX = "profile/train_calls/"  # how many kernels (CPU: ops) of each category ran: ms / calls is the mean
+# CUDA: the FP8 quantization kernels by what each quantized (``fp8rl.quant.kernels.record_launches``' labels:
+# granularity/rows x columns/copies), their ms and launches; QUANT_UNPAIRED: launches and kernel events disagreed
+QUANT_MS_PREFIX, QUANT_CALLS_PREFIX, QUANT_UNPAIRED = (
+    "profile/quant_ms/",
+    "profile/quant_calls/",
+    "profile/quant_unpaired",
+)
 WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profiler, without its post-processing)
 
 # (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
@@ -82,7 +91,8 @@ class StepProfile:
         prof.start()
         t0 = time.perf_counter()
         try:
-            yield out
+            with kernels.record_launches() as labels:
+                yield out
             if on_cuda:
                 torch.cuda.synchronize(self.device)
             wall = time.perf_counter() - t0  # the step's own time, without the profiler's post-processing below
@@ -92,6 +102,29 @@ class StepProfile:
         out.update({METRIC_PREFIX + k: v for k, v in ms.items()})
         out.update({CALLS_PREFIX + k: v for k, v in calls.items()})
         out[WALL_KEY] = wall
+        if on_cuda:
+            out.update(quantize_ms_by_launch(prof, labels))
+
+
+def quantize_ms_by_launch(prof: Any, labels: list[str]) -> dict[str, float]:
+    """The FP8 quantization kernels' ms and launches by what each quantized: the profiler's ``fp8_quantize`` kernel
+    events in start order, paired one to one with the launches' labels (one stream, so launch order is run order);
+    when the counts differ, only ``QUANT_UNPAIRED`` (the difference), no guess."""
+    events = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and category(e.name) == "fp8_quantize"
+        ),
+        key=lambda e: e.time_range.start,
+    )
+    if len(events) != len(labels):
+        return {QUANT_UNPAIRED: float(abs(len(events) - len(labels)))}
+    out: dict[str, float] = {}
+    for e, label in zip(events, labels, strict=True):
+        out[QUANT_MS_PREFIX + label] = out.get(QUANT_MS_PREFIX + label, 0.0) + e.time_range.elapsed_us() / 1e3
+        out[QUANT_CALLS_PREFIX + label] = out.get(QUANT_CALLS_PREFIX + label, 0.0) + 1.0
+    return out
 
 
 class _Profiled(Protocol):

@@ -38,7 +38,7 @@ from fp8rl.train.batches import MicroBatcher, SequenceBatch
 from fp8rl.train.batches import build_batch as build_batch  # re-exported: the trainer's callers build batches
 from fp8rl.train.batches import policy_batch_totals as policy_batch_totals
 from fp8rl.train.compiled import compile_elementwise
-from fp8rl.train.fp8_linear import FP8TrainLinear
+from fp8rl.train.fp8_linear import FP8TrainLinear, checkpoint_contexts
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 from fp8rl.train.step_memory import StepMemory
@@ -96,7 +96,10 @@ class TorchTrainer:
         self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
         self.graphs = self._layer_graphs() if opts.cuda_graphs else None
         if opts.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # checkpoint_contexts: the FP8 linears skip, in a layer's first forward, the copies only its backward reads
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
+            )
         self.optimizer: MasterWeightAdamW | ShardedAdamW
         if self.sharded:
             self._shard()

@@ -26,6 +26,7 @@ from fp8rl.quant import (  # noqa: E402
     quantize_weight,
 )
 from fp8rl.quant.block_linear import block_linear_supported, quantize_block_input, quantize_block_weight  # noqa: E402
+from fp8rl.quant.formats import get_format  # noqa: E402
 from fp8rl.quant.gemm import block_scaled_mm, outer_major  # noqa: E402
 
 hopper = pytest.mark.skipif(torch.cuda.get_device_capability()[0] != 9, reason="cuBLAS block scaling is sm_90 only")
@@ -242,6 +243,81 @@ def test_linears_reading_one_input_share_its_quantization_bit_for_bit(monkeypatc
     assert len(calls) == 1
     del x
     assert fp8_linear._shared_input._ref is None  # freed with the activation it came from
+
+
+@hopper
+def test_checkpointed_first_forward_skips_the_transposed_copy_and_changes_no_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``checkpoint_contexts`` a region's first forward quantizes its inputs without the transposed copy
+    (placeholders pass the checkpoint's determinism check); outputs and gradients equal those of the plain
+    checkpoint and of no checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fp8rl.train import fp8_linear
+    from fp8rl.train.fp8_linear import FP8TrainLinear, checkpoint_contexts
+
+    torch.manual_seed(0)
+
+    def linear(k: int, n: int) -> FP8TrainLinear:
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        return FP8TrainLinear.from_linear(lin, QuantSpec())
+
+    up, down = linear(512, 1024), linear(1024, 512)
+    base = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    colwise: list[bool] = []
+    real = fp8_linear.quantize_block_input
+    monkeypatch.setattr(
+        fp8_linear, "quantize_block_input", lambda *a, **k: colwise.append(k["colwise"]) or real(*a, **k)
+    )
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        return down(torch.nn.functional.silu(up(x)))
+
+    def run(mode: str) -> list[torch.Tensor]:
+        up.weight.grad = down.weight.grad = None
+        x = base.clone().requires_grad_(True)
+        if mode == "none":
+            y = region(x)
+        else:
+            kw = {"context_fn": checkpoint_contexts} if mode == "contexts" else {}
+            y = checkpoint(region, x, use_reentrant=False, **kw)
+        y.backward(g)
+        assert up.weight.grad is not None and down.weight.grad is not None and x.grad is not None
+        return [y.detach(), up.weight.grad, down.weight.grad, x.grad]
+
+    plain = run("none")
+    colwise.clear()
+    skipped = run("contexts")
+    # first forward: two inputs, rowwise only; recompute: both copies; backward: dY of each linear
+    assert colwise[:2] == [False, False] and colwise[2:4] == [True, True]
+    colwise.clear()
+    stock = run("checkpoint")
+    assert colwise[:2] == [True, True]
+    for a, b, c in zip(skipped, stock, plain, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_profiled_quantization_is_reported_by_launch_shape() -> None:
+    """``StepProfile`` pairs the profiler's quantization kernels with ``record_launches``' labels in launch order."""
+    from fp8rl.train.step_profile import QUANT_CALLS_PREFIX, QUANT_MS_PREFIX, StepProfile
+
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    prof = StepProfile(torch.device("cuda"))
+    prof.arm()
+    with prof.around() as out:
+        for _ in range(3):
+            kernels.quantize_groups(x, get_format("e4m3"), False, rowwise=True, colwise=True, rows_out=1024)
+        kernels.quantize_tiles(w, get_format("e4m3"), False, transpose=True)
+    if kernels.GROUPS_COLWISE_CONFIG[2] == "split":  # a rowwise launch and a transposed one per call
+        assert out[QUANT_CALLS_PREFIX + "1x128/1024x512/rowwise"] == 3
+        assert out[QUANT_CALLS_PREFIX + "1x128/1024x512/transposed"] == 3
+    else:
+        assert out[QUANT_CALLS_PREFIX + "1x128/1024x512/rowwise_transposed"] == 3
+    assert out[QUANT_CALLS_PREFIX + "128x128/256x512/tiles_transposed"] == 1
+    assert all(out[k] > 0 for k in out if k.startswith(QUANT_MS_PREFIX))
 
 
 @hopper

@@ -284,6 +284,28 @@ def test_step_report_names_kv_recalibration_and_sleep_memory_where_measured() ->
     assert "- bf16" not in md
 
 
+def test_step_report_lists_the_quantization_kernels_by_launch_with_their_bandwidth() -> None:
+    from fp8rl.bench.step import quantize_bytes, report
+
+    rows, cols = 16384, 4096
+    assert quantize_bytes(f"1x128/{rows}x{cols}/rowwise") == rows * cols * (2 + 1 + 4 / 128)
+    assert quantize_bytes(f"1x128/{rows}x{cols}/transposed") == rows * cols * (2 + 1 + 4 / 128)
+    assert quantize_bytes(f"1x128/{rows}x{cols}/rowwise_transposed") == rows * cols * (2 + 2 * (1 + 4 / 128))
+    assert quantize_bytes("128x128/4096x4096/tiles_transposed") == 4096 * 4096 * (2 + 2 * (1 + 4 / 128**2))
+    assert quantize_bytes("amax_kernel") is None
+    label = f"1x128/{rows}x{cols}/rowwise"
+    fp8 = ThroughputResult(
+        "fp8-e2e", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0,
+        train_device_ms={"gemm": 100.0, "fp8_quantize": 20.0}, train_kernel_calls={"gemm": 10.0, "fp8_quantize": 40.0},
+        train_quant_ms={label: 4.0, "amax_kernel": 1.0}, train_quant_calls={label: 10.0, "amax_kernel": 2.0},
+    )  # fmt: skip
+    doc, md = report([fp8], {"model": "llama-1b"})
+    gbps = quantize_bytes(label) * 10 / 4e-3 / 1e9  # type: ignore[operator]
+    assert f"| fp8-e2e | {label} | 10 | 4.0 | 0.400 | {gbps:,.0f} |" in md
+    assert "| fp8-e2e | amax_kernel | 2 | 1.0 | 0.500 | - |" in md
+    assert doc["results"][0]["train_quant_calls"][label] == 10.0
+
+
 @pytest.mark.parametrize("verify", [False, True])
 def test_bench_checks_every_sync_only_when_asked(
     tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
