@@ -18,7 +18,7 @@ Scales
 
         s = max(amax, 1e-10) / fmt_max            (float32)
         s = 2 ** ceil(log2(s))                    (optional, ``pow2_scales``)
-        q = fp8(clamp(x / s, -fmt_max, fmt_max))  (round to nearest even)
+        q = fp8(clamp(x * (1 / s), -fmt_max, fmt_max))  (round to nearest even)
         x ~= q * s
 
     ``s`` is stored as the *dequantization multiplier*, called ``weight_scale_inv``
@@ -26,8 +26,10 @@ Scales
     compressed-tensors.  The 1e-10 floor keeps all-zero groups finite (vLLM's
     per-token-group quantization uses the same epsilon).  The power-of-two rounding
     is done on the float32 bit pattern, so it is exact and identical on every
-    device; the division ``x / s`` is IEEE float32 on CPU and CUDA alike, so a CUDA
-    tensor quantizes to the same bytes as a CPU tensor.  Inputs holding NaN or Inf
+    device; the reciprocal ``1 / s`` (one IEEE division per group) and the product ``x * (1 / s)`` are IEEE
+    float32 on CPU and CUDA alike, so a CUDA tensor quantizes to the same bytes as a CPU tensor.  (A multiply
+    per value, not a division: the fused kernels are otherwise bound by instruction issue; ``x * (1 / s)``
+    differs from ``x / s`` by at most one float32 ulp before the FP8 rounding, and ``pow2`` scales not at all.)  Inputs holding NaN or Inf
     raise :class:`NonFiniteError` instead of producing NaN scales.
 
 Granularities (``granularity``), for a weight W[out, in] and activations X[..., in]

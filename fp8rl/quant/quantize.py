@@ -83,7 +83,9 @@ def _check_finite(amax: torch.Tensor, what: str) -> None:
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    return (x / scale).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
+    # x * (1 / s): the IEEE reciprocal of each scale (a tensor division, exact on CPU and CUDA alike), then one
+    # multiply per value -- the arithmetic the fused kernels do (fp8rl.quant.kernels), so the bytes agree
+    return (x * (scale.new_ones(()) / scale)).clamp_(-fmt.max, fmt.max).to(fmt.dtype)
 
 
 def _check_dtype(x: torch.Tensor) -> None:

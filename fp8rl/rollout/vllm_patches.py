@@ -119,6 +119,11 @@ def write_kv_scales(model: nn.Module, scales: Mapping[int, tuple[float, float, f
     unknown = sorted(set(scales) - set(layers))
     if unknown:
         raise KeyError(f"the vLLM model has no attention layer(s) {unknown}")
+    with torch.no_grad():  # compressed-tensors' KV method points _k_scale etc. at its nn.Parameters (grad on)
+        _write_kv_scales(layers, scales)
+
+
+def _write_kv_scales(layers: Mapping[int, nn.Module], scales: Mapping[int, tuple[float, float, float]]) -> None:
     for index, (q, k, v) in scales.items():
         layer = layers[index]
         for buffer, float_attr, value in zip(SCALE_BUFFERS, SCALE_FLOATS, (q, k, v), strict=True):

@@ -503,6 +503,12 @@ def test_kv_scale_patch_writes_in_place_and_fails_when_attributes_moved(monkeypa
     assert (attn._q_scale_float, attn._k_scale_float, attn._v_scale_float) == (0.4, 0.5, 0.6)
     assert attn._v_scale_cpu.item() == pytest.approx(0.6)
     assert vllm_patches.read_kv_scales(model)[0] == pytest.approx((0.1, 0.2, 0.3))
+    # compressed-tensors' KV-cache method (the per-channel rollout) leaves _k_scale etc. as nn.Parameters with
+    # gradients on; the in-place write must not trip autograd (it did on the GPU: docs/benchmarks.md)
+    for b in vllm_patches.SCALE_BUFFERS:
+        setattr(attn, b, nn.Parameter(torch.tensor(1.0)))
+    vllm_patches.write_kv_scales(model, {1: (0.7, 0.8, 0.9)})
+    assert attn._k_scale.item() == pytest.approx(0.8) and attn._k_scale.requires_grad
     with pytest.raises(KeyError, match=r"\[5\]"):
         vllm_patches.write_kv_scales(model, {5: (1.0, 1.0, 1.0)})
     del attn._k_scale_float
