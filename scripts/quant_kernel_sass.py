@@ -29,12 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from fp8rl.quant import kernels  # noqa: E402
+from fp8rl.quant import kernels
 
 ARGS = ["x_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "R", "C", "R_OUT", "sx_r", "sx_c", "sq_r", "ss_r", "ss_g",
         "sqt_c", "sst_c", "sst_g"]  # fmt: skip
