@@ -239,10 +239,15 @@ def record_launches() -> Iterator[list[str]]:
 
 
 def _launch(
-    kernel, grid: tuple[int, ...], args: tuple[object, ...], num_warps: int, label: str = "", **constexprs: object
+    kernel,
+    grid: tuple[int, ...],
+    args: tuple[object, ...],
+    num_warps: int,
+    label: tuple[object, ...] = (),
+    **constexprs: object,
 ) -> None:
-    if _LaunchLog.labels is not None:
-        _LaunchLog.labels.append(label or kernel.fn.__name__.strip("_"))
+    if _LaunchLog.labels is not None:  # the label's parts joined only while recording (no cost per launch otherwise)
+        _LaunchLog.labels.append("".join(map(str, label)) or kernel.fn.__name__.strip("_"))
     kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 
@@ -309,7 +314,7 @@ def quantize_groups(
              x.stride(0), x.stride(1),
              c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
              r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-            w, f"1x{group}/{r_out}x{c}/" + ("rowwise_transposed" if rw and cw else "rowwise" if rw else "transposed"),
+            w, ("1x", group, "/", r_out, "x", c, "/", "rowwise_transposed" if rw and cw else "rowwise" if rw else "transposed"),
             FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br, BC=bc,
             ROWWISE=rw, TRANSPOSE=cw,
         )  # fmt: skip
@@ -373,7 +378,7 @@ def quantize_tiles(
          r, c,
          x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
          r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-        warps or (TILES_WARPS if br * bc >= 8192 else 4), f"{br}x{bc}/{r}x{c}/" + ("tiles_transposed" if transpose else "tiles"),
+        warps or (TILES_WARPS if br * bc >= 8192 else 4), (br, "x", bc, "/", r, "x", c, "/", "tiles_transposed" if transpose else "tiles"),
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
     )  # fmt: skip
     return q, s, qt, st
