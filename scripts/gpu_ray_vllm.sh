@@ -32,7 +32,7 @@
 #                                                        adds optim.compile_elementwise when the compile part passed;
 #                                                        compile (not in the default) = tests/gpu/test_compiled_trainer_cuda.py;
 #                                                        kernels (not in the default) = fp8rl bench kernels on GPU 0 at
-#                                                        the 8B step's quantization shapes (KERNEL_SHAPES);
+#                                                        the 8B step's quantization shapes (KERNEL_SHAPES; KERNEL_ARGS, e.g. --sweep);
 #                                                        rollout8b (not in the default) = gpu_vllm_overhead.py at
 #                                                        llama-8b, ROLLOUT_GPU0 (fp8,fp8-row) on GPU 0 and ROLLOUT_GPU1
 #                                                        (fp8-row-kv,bf16) on GPU 1 at once, the bench's checkpoint; kvbudget (not
@@ -135,7 +135,7 @@ case $step in
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
           kernels) job="$job; echo PART kernels; CUDA_VISIBLE_DEVICES=0 python3 -m fp8rl bench kernels \
-                   --shapes ${KERNEL_SHAPES:-15488x14336x4096,15488x4096x4096,15488x1024x4096} --json $RES/kernels.json \
+                   --shapes ${KERNEL_SHAPES:-15488x14336x4096,15488x4096x4096,15488x1024x4096} ${KERNEL_ARGS:-} --json $RES/kernels.json \
                    > $RES/kernels.log 2>&1; grep -h 'fused\|copy' $RES/kernels.log | head -n 30";;
           compile) job="$job; echo PART compile; python3 -m pytest -q -rA -p no:cacheprovider \
                    tests/gpu/test_compiled_trainer_cuda.py > $RES/pytest_compile.log 2>&1 && touch $RES/compile_ok; \
