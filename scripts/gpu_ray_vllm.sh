@@ -97,6 +97,9 @@ case $step in
   run|ipc|overhead|x2|poll)
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
+    # a new job starts from an empty results folder: a machine handed out again keeps /tmp, and its old files would
+    # travel back in results.tar.gz beside the new ones (2026-11-26); poll reads the running job's (KEEP_RES=1 keeps)
+    [ "$step" = poll ] || [ -n "${KEEP_RES:-}" ] || rm -rf "$RES"
     mkdir -p $RES
     bench() {  # bench <config> <recipes> <out dir> [shape] [prompts]
       echo "python3 -m fp8rl bench step --shape ${4:-${SHAPE:-llama-1b}} --config $1 --recipes $2 --prompts ${5:-${PROMPTS:-16}} \
