@@ -117,9 +117,9 @@ case $step in
       job="nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; true"
       for part in ${X2:-tests split overhead fsdp}; do
         case $part in
-          # PYTEST in its own process: the trainer tests compare against an in-process reference, and collecting
-          # vLLM's tests imports vLLM, whose import changes process-wide torch state (2026-11-26: the replicated
-          # reference's grad norm moved 3e-4 while the sharded subprocess matched the earlier passing run)
+          # PYTEST in its own process: the trainer tests compare against an in-process reference, and other test
+          # files change process-wide state (collecting vLLM's imports vLLM, which patches torch; 2026-11-26: with
+          # them in one process the replicated reference's grad norm moved 3e-4, the sharded subprocess did not)
           tests) job="$job; python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_sharded_trainer_cuda.py \
                    tests/gpu/test_optimizer_offload_cuda.py > $RES/pytest_x2_trainer.log 2>&1; \
                    ${PYTEST:+python3 -m pytest -q -rA -p no:cacheprovider $PYTEST > $RES/pytest_x2_extra.log 2>&1;} \
