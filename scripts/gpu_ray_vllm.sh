@@ -98,7 +98,11 @@ case $step in
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
     # a new job starts from an empty results folder: a machine handed out again keeps /tmp, and its old files would
-    # travel back in results.tar.gz beside the new ones (2026-11-26); poll reads the running job's (KEEP_RES=1 keeps)
+    # travel back in results.tar.gz beside the new ones (2026-11-26); poll reads the running job's (KEEP_RES=1 keeps:
+    # e.g. COMPILE_8B=auto reading an earlier job's compile_ok). Never under a job that is still running.
+    if [ "$step" != poll ] && [ -e $RES/job.pid ] && kill -0 "$(cat $RES/job.pid)" 2>/dev/null; then
+      echo "a job is still running on this machine: poll it (or wait) before starting another"; exit 4
+    fi
     [ "$step" = poll ] || [ -n "${KEEP_RES:-}" ] || rm -rf "$RES"
     mkdir -p $RES
     bench() {  # bench <config> <recipes> <out dir> [shape] [prompts]
@@ -180,6 +184,7 @@ case $step in
       rm -f $RES/done
       setsid nohup bash -c "($job) > $RES/ray_vllm.log 2>&1; echo EXIT \$? >> $RES/ray_vllm.log; touch $RES/done" \
         > /dev/null 2>&1 < /dev/null &
+      echo $! > $RES/job.pid
     fi
     t0=$(date +%s); seen=0
     while [ ! -e $RES/done ] && [ $(( $(date +%s) - t0 )) -lt ${WAIT_S:-540} ]; do

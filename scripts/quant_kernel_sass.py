@@ -12,7 +12,8 @@ Why: a memory-bound kernel must issue fewer instructions per value than the SM c
 system streams that value.  An H200 SM issues 4 x 32 thread-instructions a cycle; at 4.2 TB/s over 132 SMs
 and ~1.98 GHz, and ~3 bytes moved per value, that leaves ~24 instructions per value -- above it the kernel is
 bound by instruction issue, not bandwidth (docs/benchmarks.md).  The counts are static (straight-line code:
-one tile per program, so static ~ dynamic); the GPU benchmarks measure the time.
+one tile per program, so static ~ dynamic, slightly over: they include a dozen padding NOPs and the IEEE
+division's slow path, which normal scales never take); the GPU benchmarks measure the time.
 """
 
 from __future__ import annotations

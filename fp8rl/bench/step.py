@@ -367,7 +367,8 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
 
 def quantize_bytes(label: str) -> float | None:
     """Bytes a quantization launch moves (bf16 input read once, one FP8 byte and 4/group scale bytes written per
-    value and copy) from its ``fp8rl.quant.kernels`` label ``GxS/RxC/copies``; None for a label of another form."""
+    value and copy) from its ``fp8rl.quant.kernels`` label ``GxS/RxC/copies``; None for a label of another form.
+    R is the launch's padded row count (the read counts up to 127 zero rows the kernel does not read)."""
     parts = label.split("/")
     try:
         group = [int(v) for v in parts[0].split("x")]

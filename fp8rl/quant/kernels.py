@@ -121,7 +121,7 @@ if triton is not None:
         rows = pid_r * BR + tl.arange(0, BR)
         cols = pid_g * BC + tl.arange(0, BC)
         col_ok = cols[None, :] < C
-        # Kept in the input's dtype until the division: |x| and max are exact in any float format, and
+        # Kept in the input's dtype until the scaling: |x| and max are exact in any float format, and
         # half the registers (a 128x128 tile) leaves room for more programs per multiprocessor.
         x = tl.load(
             x_ptr + rows[:, None].to(tl.int64) * sx_r + cols[None, :].to(tl.int64) * sx_c,
@@ -223,19 +223,20 @@ TILES_WARPS = 16
 class _LaunchLog:
     """What each kernel launch quantized, in launch order, while ``record_launches`` is active (else nothing)."""
 
-    labels: list[str] | None = None
+    launches: list[tuple[str, str]] | None = None
 
 
 @contextmanager
-def record_launches() -> Iterator[list[str]]:
-    """Collect a label per quantization kernel launched in the block (``"1x128/16384x4096/rowwise"``, ...), in launch
-    order: a profiler's kernel events of the same stream pair with them one to one (``fp8rl.train.step_profile``)."""
-    before, labels = _LaunchLog.labels, list[str]()
-    _LaunchLog.labels = labels
+def record_launches() -> Iterator[list[tuple[str, str]]]:
+    """Collect ``(kernel name, label)`` per quantization kernel launched in the block (``("_groups_kernel",
+    "1x128/16384x4096/rowwise")``, ...), in launch order: a profiler's kernel events of the same stream pair with them
+    one to one, each event's name holding its kernel's (``fp8rl.train.step_profile``)."""
+    before, launches = _LaunchLog.launches, list[tuple[str, str]]()
+    _LaunchLog.launches = launches
     try:
-        yield labels
+        yield launches
     finally:
-        _LaunchLog.labels = before
+        _LaunchLog.launches = before
 
 
 def _launch(
@@ -246,8 +247,9 @@ def _launch(
     label: tuple[object, ...] = (),
     **constexprs: object,
 ) -> None:
-    if _LaunchLog.labels is not None:  # the label's parts joined only while recording (no cost per launch otherwise)
-        _LaunchLog.labels.append("".join(map(str, label)) or kernel.fn.__name__.strip("_"))
+    if _LaunchLog.launches is not None:  # the label's parts joined only while recording (no cost otherwise)
+        name = kernel.fn.__name__
+        _LaunchLog.launches.append((name, "".join(map(str, label)) or name.strip("_")))
     kernel[grid](*args, **constexprs, num_warps=num_warps)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -57,9 +57,9 @@ _checkpoint_state = _CheckpointState()
 
 
 @contextmanager
-def _discarded_forward() -> Iterator[None]:
+def _saves_discarded(discarded: bool) -> Iterator[None]:
     before = _checkpoint_state.discarded
-    _checkpoint_state.discarded = True
+    _checkpoint_state.discarded = discarded
     try:
         yield
     finally:
@@ -74,8 +74,10 @@ def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContext
     the fused FP8 linear therefore skips the transposed (wgrad) copy of its input and saves placeholders of
     the same shape, dtype and device (stride-0 views, no memory), which the checkpoint's determinism check
     compares against the recompute's real copies.  The forward output is computed exactly as in the recompute.
+    The recompute clears the flag itself rather than inherit the thread's (a backward run from inside another
+    region's first forward must still save real copies).
     """
-    return _discarded_forward(), nullcontext()
+    return _saves_discarded(True), _saves_discarded(False)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -148,7 +150,8 @@ def _quantize_input(
     ``wgrad_rows``: pad the rows as the transposed copy needs even without it (a checkpointed first forward), so
     its GEMM runs on the same operand shape as the recompute's."""
     cached = _shared_input.get(x, spec, colwise)
-    if cached is not None:
+    rows = padded_rows(x.numel() // x.shape[-1], 128 if colwise or wgrad_rows else 16)
+    if cached is not None and cached[0] is not None and cached[0].shape[0] == rows:  # same padding: same GEMM shape
         return cached
     value = quantize_block_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise, wgrad_rows=wgrad_rows)
     _shared_input.put(x, spec, value)
@@ -209,6 +212,11 @@ class _FusedBlockFP8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.reshape(*grad_out.shape[:-1], wq.q.shape[1])
         if need_wgrad:
             assert gqt is not None and gst is not None and xqt is not None
+            if xqt.stride(-1) == 0:  # the real copies are contiguous; a placeholder here would be a wrong gradient
+                raise RuntimeError(
+                    "a checkpointed first forward's FP8 placeholder reached the backward (the recompute did not "
+                    "replace it): fp8rl.train.fp8_linear.checkpoint_contexts needs non-reentrant torch.utils.checkpoint"
+                )
             grad_w = block_wgrad(gqt, gst, xqt, xst).to(ctx.weight_dtype)
         if ctx.has_bias:
             grad_b = g2.sum(0).to(ctx.weight_dtype)

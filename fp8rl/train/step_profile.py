@@ -91,7 +91,7 @@ class StepProfile:
         prof.start()
         t0 = time.perf_counter()
         try:
-            with kernels.record_launches() as labels:
+            with kernels.record_launches() as launches:
                 yield out
             if on_cuda:
                 torch.cuda.synchronize(self.device)
@@ -103,13 +103,14 @@ class StepProfile:
         out.update({CALLS_PREFIX + k: v for k, v in calls.items()})
         out[WALL_KEY] = wall
         if on_cuda:
-            out.update(quantize_ms_by_launch(prof, labels))
+            out.update(quantize_ms_by_launch(prof, launches))
 
 
-def quantize_ms_by_launch(prof: Any, labels: list[str]) -> dict[str, float]:
+def quantize_ms_by_launch(prof: Any, launches: list[tuple[str, str]]) -> dict[str, float]:
     """The FP8 quantization kernels' ms and launches by what each quantized: the profiler's ``fp8_quantize`` kernel
-    events in start order, paired one to one with the launches' labels (one stream, so launch order is run order);
-    when the counts differ, only ``QUANT_UNPAIRED`` (the difference), no guess."""
+    events in start order, paired one to one with the launches (one stream, so launch order is run order), each
+    event's name holding its launch's kernel name; when the counts or a name differ, only ``QUANT_UNPAIRED`` (the
+    count difference, at least 1), no guess."""
     events = sorted(
         (
             e
@@ -118,10 +119,10 @@ def quantize_ms_by_launch(prof: Any, labels: list[str]) -> dict[str, float]:
         ),
         key=lambda e: e.time_range.start,
     )
-    if len(events) != len(labels):
-        return {QUANT_UNPAIRED: float(abs(len(events) - len(labels)))}
+    if len(events) != len(launches) or any(k not in e.name for e, (k, _) in zip(events, launches, strict=True)):
+        return {QUANT_UNPAIRED: float(max(abs(len(events) - len(launches)), 1))}
     out: dict[str, float] = {}
-    for e, label in zip(events, labels, strict=True):
+    for e, (_, label) in zip(events, launches, strict=True):
         out[QUANT_MS_PREFIX + label] = out.get(QUANT_MS_PREFIX + label, 0.0) + e.time_range.elapsed_us() / 1e3
         out[QUANT_CALLS_PREFIX + label] = out.get(QUANT_CALLS_PREFIX + label, 0.0) + 1.0
     return out

@@ -16,7 +16,7 @@ Every recipe uses E4M3 for activations, weights and gradients (``fp8_format=E4M3
 Scales.  TE computes a scale per group as ``scale = 448 / amax`` (fp32, round to nearest),
 stores ``scale_inv = 1 / scale`` and quantizes ``fp8(x * scale)``; with power-of-two scales
 it truncates ``scale``'s mantissa, so ``scale_inv`` is rounded *up* to a power of two.
-``fp8rl.quant`` computes ``scale_inv = max(amax, 1e-10) / 448`` and ``fp8(x / scale_inv)``,
+``fp8rl.quant`` computes ``scale_inv = max(amax, 1e-10) / 448`` and ``fp8(x * (1 / scale_inv))``,
 pow2 rounding ``scale_inv`` up on its bit pattern.  The pow2 scales agree exactly; the
 FP32 scales agree to about one float32 ulp, and a value can land on the other side of an
 FP8 rounding boundary only within that ulp.  An all-zero group gets ``scale_inv = 1`` in TE

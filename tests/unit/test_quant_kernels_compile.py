@@ -28,14 +28,17 @@ ROWS = ["x_ptr", "q_ptr", "s_ptr", "R", "C", "sx_r", "sx_c", "sq_r"]
 CAST = ["x_ptr", "q_ptr", "amax_ptr", "s_ptr", "R", "C", "sx_r", "sx_c", "sq_r"]
 
 
-def _compile(fn: Any, args: list[str], fp8: str, consts: dict[str, Any], warps: int) -> bytes:
+def _compile(fn: Any, args: list[str], fp8: str, consts: dict[str, Any], warps: int, specialize: bool = False) -> bytes:
+    """``specialize``: as Triton specializes a launch at run time (integer arguments equal to 1 become constants, the
+    others are marked divisible by 16), which changes the code it generates."""
     types = {"x_ptr": "*bf16", "q_ptr": f"*{fp8}", "qt_ptr": f"*{fp8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
              "amax_ptr": "*fp32"}  # fmt: skip
+    ones = {"sx_c", "ss_r", "sst_c"} & set(args) if specialize else set()
+    consts = consts | {a: 1 for a in ones}
     sig = {a: types.get(a, I32) for a in args} | {k: "constexpr" for k in consts}
-    compiled = triton.compile(
-        ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}
-    )
-    return compiled.asm["cubin"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(args) if specialize and a not in ones}
+    src = ASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
 
 
 @pytest.mark.parametrize("pow2", [False, True], ids=["plain", "pow2"])
@@ -65,5 +68,21 @@ def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_m
         ),
         _compile(kernels._rows_kernel, ROWS, fp8, fmt | {"BR": 4, "BC": 1024}, 4),
         _compile(kernels._cast_tensor_kernel, CAST, fp8, fmt | {"BR": 32, "BC": 256}, 4),
+        # the one-read mode (quantize_groups' config "fused") and a launch specialized as at run time
+        _compile(
+            kernels._groups_kernel,
+            GROUPS,
+            fp8,
+            fmt | groups | {"BR": 128, "BC": 128, "ROWWISE": True, "TRANSPOSE": True},
+            16,
+        ),
+        _compile(
+            kernels._groups_kernel,
+            GROUPS,
+            fp8,
+            fmt | groups | {"BR": br, "BC": 128, "ROWWISE": True, "TRANSPOSE": False},
+            warps,
+            specialize=True,
+        ),
     ]
     assert all(c[:4] == b"\x7fELF" for c in cubins)  # each an sm_90 ELF cubin

@@ -58,7 +58,8 @@ def ref_quantize_groups(x: np.ndarray, fmt: FP8Format, pow2: bool) -> tuple[np.n
     scale = np.float32(np.maximum(amax, 1e-10).astype(np.float64) / fmt.max)  # IEEE float32 division
     if pow2:
         scale = np.float32(2.0 ** np.ceil(np.log2(scale.astype(np.float64))))
-    ratio = np.float32(x.astype(np.float64) / scale[:, None].astype(np.float64))
+    inv = np.float32(1.0 / scale.astype(np.float64))  # IEEE float32 reciprocal, once per group
+    ratio = np.float32(x.astype(np.float32) * inv[:, None])  # one float32 multiply per value
     return ref_round(ratio.astype(np.float64), fmt), scale.astype(np.float64)
 
 
@@ -85,6 +86,26 @@ def test_block_quantization_equals_reference(fmt: FP8Format, pow2: bool, shape: 
         ref_q, ref_s = ref_quantize_groups(xs[:, cols], fmt, pow2)
         np.testing.assert_array_equal(q.scale_inv[:, j].numpy().astype(np.float64), ref_s)
         np.testing.assert_array_equal(q.data[:, cols].to(torch.float64).numpy(), ref_q)
+
+
+def test_values_are_scaled_by_the_reciprocal_not_divided() -> None:
+    """``x * (1 / s)`` and ``x / s`` round to different FP8 bytes for a few values next to a rounding boundary; the
+    quantizers (and the fused kernels, tested against them on the GPU) take the reciprocal's."""
+    amax = np.float32(1.3092078)  # the group's scale: float32(amax / 448)
+    s = np.float32(np.float64(amax) / E4M3.max)
+    grid = fp8_grid(E4M3)
+    mids = (grid[1:] + grid[:-1]) / 2  # FP8 rounding boundaries; values a few float32 ulps around mid * s
+    near = np.float32(mids * np.float64(s))
+    x = np.concatenate([[amax], *(np.nextafter(near, np.float32(k * np.inf)) for k in (-1, 1)), near])
+    for _ in range(3):
+        x = np.concatenate([x, np.nextafter(x[1:], np.float32(np.inf)), np.nextafter(x[1:], np.float32(-np.inf))])
+    x = np.unique(x).astype(np.float32).reshape(1, -1)
+    divided = ref_round(np.float32(x.astype(np.float64) / np.float64(s)).astype(np.float64), E4M3)
+    ref_q, ref_s = ref_quantize_groups(x, E4M3, pow2=False)
+    assert (divided != ref_q).sum() > 0  # the two formulas do disagree somewhere in this group
+    q = quantize_blockwise(torch.from_numpy(x), (1, x.shape[1]), E4M3, False)
+    np.testing.assert_array_equal(q.scale_inv.numpy().astype(np.float64).ravel(), ref_s)
+    np.testing.assert_array_equal(q.data.to(torch.float64).numpy(), ref_q)
 
 
 def test_weight_tiles_equal_reference() -> None:

@@ -82,3 +82,30 @@ def test_a_trainer_group_reports_the_profile_of_its_busiest_rank_whole() -> None
         "loss": 0.75, "grad_norm": 2.0, "lr": 1e-3, "clip_frac": 0.5, p + "gemm": 10.0, p + "other": 5.0,
         p + "nccl": 9.0, WALL_KEY: 1.0,
     }  # fmt: skip
+
+
+def test_quantization_kernels_pair_with_their_launches_only_when_names_and_counts_agree() -> None:
+    """``quantize_ms_by_launch`` on kernel events as the profiler lists them (name, device type, time range; built
+    here: the pairing is pure bookkeeping, the GPU test pairs a real profile): in start order, by kernel name."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from fp8rl.train.step_profile import QUANT_CALLS_PREFIX, QUANT_MS_PREFIX, QUANT_UNPAIRED, quantize_ms_by_launch
+
+    def event(name: str, start: int, us: int, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
+        span = SimpleNamespace(start=start, elapsed_us=lambda: us)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+    events = [event("_groups_kernel", 30, 400), event("_groups_kernel", 10, 100), event("_tiles_kernel", 50, 50),
+              event("nvjet_sm90_gemm", 20, 999), event("_groups_kernel", 40, 7, DeviceType.CPU)]  # fmt: skip
+    prof = SimpleNamespace(events=lambda: events)
+    launches = [("_groups_kernel", "1x128/256x512/rowwise"), ("_groups_kernel", "1x128/256x512/transposed"),
+                ("_tiles_kernel", "128x128/256x512/tiles")]  # fmt: skip
+    out = quantize_ms_by_launch(prof, launches)
+    assert out[QUANT_MS_PREFIX + "1x128/256x512/rowwise"] == 0.1  # the earliest event is the first launch
+    assert out[QUANT_MS_PREFIX + "1x128/256x512/transposed"] == 0.4
+    assert out[QUANT_CALLS_PREFIX + "128x128/256x512/tiles"] == 1 and QUANT_UNPAIRED not in out
+    assert quantize_ms_by_launch(prof, launches[:2]) == {QUANT_UNPAIRED: 1.0}  # a kernel more than launches
+    swapped = [launches[0], launches[2], launches[1]]  # same count, a name that does not match its event
+    assert quantize_ms_by_launch(prof, swapped) == {QUANT_UNPAIRED: 1.0}
