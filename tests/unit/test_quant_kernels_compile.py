@@ -47,42 +47,21 @@ def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_m
     fmt = {"FMT_MAX": fmt_max, "POW2": pow2, "OUT": getattr(tl, out)}
     br, warps, _ = kernels.GROUPS_ROWWISE_CONFIG
     bc_t, warps_t, _ = kernels.GROUPS_COLWISE_CONFIG
-    groups = {"G": 128}
+    # (rows, columns per program, rowwise, transposed, warps): the split mode's two launches, the one-read mode
+    group_launches = [(br, 128, True, False, warps), (128, bc_t, False, True, warps_t), (128, 128, True, True, 16)]
     cubins = [
         _compile(
-            kernels._groups_kernel,
-            GROUPS,
-            fp8,
-            fmt | groups | {"BR": br, "BC": 128, "ROWWISE": True, "TRANSPOSE": False},
-            warps,
-        ),
-        _compile(
-            kernels._groups_kernel,
-            GROUPS,
-            fp8,
-            fmt | groups | {"BR": 128, "BC": bc_t, "ROWWISE": False, "TRANSPOSE": True},
-            warps_t,
-        ),
+            kernels._groups_kernel, GROUPS, fp8,
+            fmt | {"G": 128, "BR": r, "BC": c, "ROWWISE": rw, "TRANSPOSE": tr}, w, specialize=specialize,
+        )
+        for r, c, rw, tr, w in group_launches
+        for specialize in (False, True)  # as written, and as Triton specializes a launch at run time
+    ]  # fmt: skip
+    cubins += [
         _compile(
             kernels._tiles_kernel, TILES, fp8, fmt | {"BR": 128, "BC": 128, "TRANSPOSE": True}, kernels.TILES_WARPS
         ),
         _compile(kernels._rows_kernel, ROWS, fp8, fmt | {"BR": 4, "BC": 1024}, 4),
         _compile(kernels._cast_tensor_kernel, CAST, fp8, fmt | {"BR": 32, "BC": 256}, 4),
-        # the one-read mode (quantize_groups' config "fused") and a launch specialized as at run time
-        _compile(
-            kernels._groups_kernel,
-            GROUPS,
-            fp8,
-            fmt | groups | {"BR": 128, "BC": 128, "ROWWISE": True, "TRANSPOSE": True},
-            16,
-        ),
-        _compile(
-            kernels._groups_kernel,
-            GROUPS,
-            fp8,
-            fmt | groups | {"BR": br, "BC": 128, "ROWWISE": True, "TRANSPOSE": False},
-            warps,
-            specialize=True,
-        ),
     ]
     assert all(c[:4] == b"\x7fELF" for c in cubins)  # each an sm_90 ELF cubin
