@@ -32,15 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from fp8rl.quant import kernels
 
-ARGS = ["x_ptr", "q_ptr", "s_ptr", "qt_ptr", "st_ptr", "R", "C", "R_OUT", "sx_r", "sx_c", "sq_r", "ss_r", "ss_g",
-        "sqt_c", "sst_c", "sst_g"]  # fmt: skip
-TYPES = ["*bf16", "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"] + ["i32"] * 11
-UNIT_STRIDES = {"sx_c", "ss_r", "sst_c"}  # a contiguous input, outer-major scales (quantize_block_input)
 # (name, rowwise, transposed, rows per program, columns per program, warps): the launches quantize_groups makes
 LAUNCHES = (
     ("rowwise", True, False, kernels.GROUPS_ROWWISE_CONFIG[0], 128, kernels.GROUPS_ROWWISE_CONFIG[1]),
@@ -50,14 +44,9 @@ LAUNCHES = (
 
 
 def compile_groups(rowwise: bool, transposed: bool, br: int, bc: int, warps: int) -> bytes:
-    sig = {n: ("constexpr" if n in UNIT_STRIDES else t) for n, t in zip(ARGS, TYPES, strict=True)}
-    consts: dict[str, object] = {n: 1 for n in UNIT_STRIDES}
-    consts.update(FMT_MAX=448.0, POW2=False, OUT=tl.float8e4nv, G=128, BR=br, BC=bc, ROWWISE=rowwise,
-                  TRANSPOSE=transposed)  # fmt: skip
-    sig.update({n: "constexpr" for n in ("FMT_MAX", "POW2", "OUT", "G", "BR", "BC", "ROWWISE", "TRANSPOSE")})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(ARGS) if n not in UNIT_STRIDES}
-    src = ASTSource(kernels._groups_kernel, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["cubin"]
+    consts = {"FMT_MAX": 448.0, "POW2": False, "OUT": tl.float8e4nv, "G": 128, "BR": br, "BC": bc,
+              "ROWWISE": rowwise, "TRANSPOSE": transposed}  # fmt: skip
+    return kernels.compile_ahead(kernels._groups_kernel, "fp8e4nv", consts, warps, specialize=True)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:

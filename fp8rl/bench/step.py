@@ -32,6 +32,7 @@ from fp8rl.atomic import atomic_directory, atomic_write_text
 from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe
 from fp8rl.config import RunConfig, load_recipe, parse_run_config
 from fp8rl.errors import UserError
+from fp8rl.quant.kernels import COPIES, TILE_COPIES
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,7 @@ def quantize_bytes(label: str) -> float | None:
         rows, cols = (int(v) for v in parts[1].split("x"))
     except (ValueError, IndexError):
         return None
-    copies = 2 if parts[2].endswith("transposed") and parts[2] != "transposed" else 1
+    copies = 2 if parts[2] in (COPIES[True, True], TILE_COPIES[True]) else 1
     values = rows * cols
     return values * 2 + copies * values * (1 + 4 / (group[0] * group[1]))
 

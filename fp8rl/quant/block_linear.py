@@ -88,16 +88,22 @@ def padded_rows(m: int, multiple: int) -> int:
     return max(multiple, math.ceil(m / multiple) * multiple)
 
 
+def block_input_rows(m: int, wgrad: bool) -> int:
+    """The rows ``quantize_block_input`` pads ``m`` to: 128s where the input feeds a wgrad GEMM (its reduction runs
+    over the rows), else 16s (cuBLAS)."""
+    return padded_rows(m, 128 if wgrad else 16)
+
+
 def quantize_block_input(
     x2: torch.Tensor, spec: QuantSpec, rowwise: bool, colwise: bool, wgrad_rows: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over ``x2 [M, K]``: ``(q [Mp, K], s, qt [K, Mp], st)`` with scales outer-major for cuBLAS.
 
-    ``Mp`` is M padded to 128 rows when there is a transposed copy (the wgrad GEMM's reduction) or ``wgrad_rows``
-    asks for that padding without the copy, else to 16."""
+    ``Mp = block_input_rows(M, colwise or wgrad_rows)``: ``wgrad_rows`` pads as the transposed copy needs without
+    making it."""
     return kernels.quantize_groups(
         x2, get_format(spec.fmt), spec.pow2_scales, 128, rowwise=rowwise, colwise=colwise,
-        rows_out=padded_rows(x2.shape[0], 128 if colwise or wgrad_rows else 16), outer_major_scales=True,
+        rows_out=block_input_rows(x2.shape[0], colwise or wgrad_rows), outer_major_scales=True,
     )  # fmt: skip
 
 

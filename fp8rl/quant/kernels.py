@@ -220,6 +220,11 @@ GROUPS_COLWISE_CONFIG: tuple[int, int, str] = (64, 4, "split")
 TILES_WARPS = 16
 
 
+# the last part of a launch's label (``record_launches``): which copies it writes; (rowwise, transposed) -> name
+COPIES = {(True, False): "rowwise", (False, True): "transposed", (True, True): "rowwise_transposed"}
+TILE_COPIES = {False: "tiles", True: "tiles_transposed"}
+
+
 class _LaunchLog:
     """What each kernel launch quantized, in launch order, while ``record_launches`` is active (else nothing)."""
 
@@ -316,7 +321,7 @@ def quantize_groups(
              x.stride(0), x.stride(1),
              c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
              r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-            w, ("1x", group, "/", r_out, "x", c, "/", "rowwise_transposed" if rw and cw else "rowwise" if rw else "transposed"),
+            w, ("1x", group, "/", r_out, "x", c, "/", COPIES[rw, cw]),
             FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br, BC=bc,
             ROWWISE=rw, TRANSPOSE=cw,
         )  # fmt: skip
@@ -380,7 +385,7 @@ def quantize_tiles(
          r, c,
          x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
          r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-        warps or (TILES_WARPS if br * bc >= 8192 else 4), (br, "x", bc, "/", r, "x", c, "/", "tiles_transposed" if transpose else "tiles"),
+        warps or (TILES_WARPS if br * bc >= 8192 else 4), (br, "x", bc, "/", r, "x", c, "/", TILE_COPIES[transpose]),
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
     )  # fmt: skip
     return q, s, qt, st
@@ -417,3 +422,29 @@ def quantize_tensor(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc,
     )  # fmt: skip
     return q.view(x.shape), s, amax
+
+
+# the stride arguments a quantize_block_input launch passes as 1 (a contiguous input, outer-major scales)
+UNIT_STRIDES = frozenset({"sx_c", "ss_r", "sst_c"})
+
+
+def compile_ahead(
+    kernel, fp8: str, constexprs: dict[str, object], num_warps: int, specialize: bool = False, capability: int = 90
+) -> bytes:
+    """The cubin Triton builds for ``kernel`` on a CUDA GPU of ``capability``, here, without one (its bundled ptxas):
+    a bf16 input, FP8 outputs of Triton type ``fp8`` (``"fp8e4nv"``, ``"fp8e5"``), fp32 scales, i32 integers.
+    ``specialize``: as Triton specializes a ``quantize_block_input`` launch at run time (``UNIT_STRIDES`` constant,
+    the other integers divisible by 16), which changes the code.  For ``tests/unit/test_quant_kernels_compile.py``
+    and ``scripts/quant_kernel_sass.py``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    runtime = [p.name for p in kernel.params if not p.is_constexpr]
+    ones = UNIT_STRIDES & set(runtime) if specialize else frozenset()
+    consts = {**constexprs, **{a: 1 for a in ones}}
+    pointers = {"x_ptr": "*bf16", "q_ptr": f"*{fp8}", "qt_ptr": f"*{fp8}"}
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in runtime if specialize and a not in ones}
+    src = ASTSource(kernel, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps}).asm["cubin"]

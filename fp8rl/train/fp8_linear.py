@@ -39,10 +39,10 @@ from torch import nn
 from fp8rl.quant import QuantSpec, fp8_gemm, quantize_activation, quantize_weight
 from fp8rl.quant.block_linear import (
     BlockWeight,
+    block_input_rows,
     block_linear_supported,
     block_mm,
     block_wgrad,
-    padded_rows,
     quantize_block_input,
     quantize_block_weight,
 )
@@ -150,7 +150,7 @@ def _quantize_input(
     ``wgrad_rows``: pad the rows as the transposed copy needs even without it (a checkpointed first forward), so
     its GEMM runs on the same operand shape as the recompute's."""
     cached = _shared_input.get(x, spec, colwise)
-    rows = padded_rows(x.numel() // x.shape[-1], 128 if colwise or wgrad_rows else 16)
+    rows = block_input_rows(x.numel() // x.shape[-1], colwise or wgrad_rows)
     if cached is not None and cached[0] is not None and cached[0].shape[0] == rows:  # same padding: same GEMM shape
         return cached
     value = quantize_block_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise, wgrad_rows=wgrad_rows)
@@ -161,7 +161,7 @@ def _quantize_input(
 def _placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Stride-0 stand-ins with the shapes, dtypes and device of ``quantize_block_input``'s transposed copy of an
     ``[m, k]`` input and its scales (what a checkpointed first forward saves; the recompute saves the real ones)."""
-    mp = padded_rows(m, 128)
+    mp = block_input_rows(m, wgrad=True)
     fp8 = get_format(spec.fmt).dtype
     return (
         torch.empty((), dtype=fp8, device=device).expand(k, mp),
