@@ -168,6 +168,11 @@ class OptimConfig(_Strict):
     # the decoder's RMSNorms and SiLU gate as torch.compile kernels, in every precision
     # (fp8rl.train.compiled: Llama / Qwen2 / Qwen3 / Mistral modules; same math, fused)
     compile_elementwise: bool = False
+    # FSDP2 (ray.trainer_sharding fsdp) with FP8 linears (torch trainer): gather each decoder layer's weights once
+    # per optimizer step, not for every micro-batch's forward and backward -- the FP8 linears quantize them once
+    # and free the bf16 copy, their cached FP8 copies serve every micro-batch (fp8rl.train.trainer). false: FSDP2's
+    # default, a gather per forward and per backward
+    fp8_gather_once: bool = True
     # the decoder layers replayed as CUDA graphs (fp8rl.train.graphs; torch trainer on a GPU, not sharded):
     # micro-batches padded to widths in steps of cuda_graph_width and the rows the token budget gives there,
     # each shape captured once seen before (by a forward with gradients on); cuda_graph_shapes kept (least used

@@ -29,10 +29,14 @@
 #                                                        GPU (CONFIG_8B, default
 #                                                        docs/configs/bench-vllm-ray-fsdp-8b.yaml); SET_8B adds
 #                                                        flags (e.g. "--set ray.sleep_after_sync=false"), COMPILE_8B=auto
-#                                                        adds optim.compile_elementwise when the compile part passed;
+#                                                        adds optim.compile_elementwise when the compile part passed,
+#                                                        GATHER_8B=auto turns optim.fp8_gather_once off unless its GPU
+#                                                        test passed in the tests part;
 #                                                        compile (not in the default) = tests/gpu/test_compiled_trainer_cuda.py;
 #                                                        kernels (not in the default) = fp8rl bench kernels on GPU 0 at
-#                                                        the 8B step's quantization shapes (KERNEL_SHAPES; KERNEL_ARGS, e.g. --sweep);
+#                                                        the 8B step's quantization shapes (KERNEL_SHAPES; KERNEL_ARGS, e.g. --sweep,
+#                                                        which also writes the fastest launch configurations: with
+#                                                        QUANT_LAUNCH=auto the fsdp8b part runs with them);
 #                                                        rollout8b (not in the default) = gpu_vllm_overhead.py at
 #                                                        llama-8b, ROLLOUT_GPU0 (fp8,fp8-row) on GPU 0 and ROLLOUT_GPU1
 #                                                        (fp8-row-kv,bf16) on GPU 1 at once, the bench's checkpoint; kvbudget (not
@@ -44,7 +48,8 @@
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
 # MBT sets the benchmarks' --micro-batch-tokens (default 4096); BENCH_FLAGS adds flags to every benchmark (e.g.
 # "--profile-train": one more step per recipe, its train phase's kernel time by category); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
-# own pytest call, after the trainer's GPU tests; e.g. "tests/gpu/test_ray_vllm.py -k fsdp2").
+# own pytest call, after the trainer's GPU tests (TESTS_TRAINER, default the sharded and offload files); e.g.
+# "tests/gpu/test_ray_vllm.py -k fsdp2"; none: skip them).
 # Results: $OUT/ray_vllm.log and $OUT/results.tar.gz (every .json, .md and .log the job wrote under /tmp/res).
 set -uo pipefail
 step=${1:?step}; arg=${2:-}
@@ -124,11 +129,12 @@ case $step in
           # PYTEST in its own process: the trainer tests compare against an in-process reference, and other test
           # files change process-wide state (collecting vLLM's imports vLLM, which patches torch; 2026-11-26: with
           # them in one process the replicated reference's grad norm moved 3e-4, the sharded subprocess did not)
-          tests) job="$job; python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_sharded_trainer_cuda.py \
-                   tests/gpu/test_optimizer_offload_cuda.py > $RES/pytest_x2_trainer.log 2>&1; \
+          tests) job="$job; python3 -m pytest -q -rA -p no:cacheprovider \
+                   ${TESTS_TRAINER:-tests/gpu/test_sharded_trainer_cuda.py tests/gpu/test_optimizer_offload_cuda.py} \
+                   > $RES/pytest_x2_trainer.log 2>&1; \
                    ${PYTEST:+python3 -m pytest -q -rA -p no:cacheprovider $PYTEST > $RES/pytest_x2_extra.log 2>&1;} \
-                   python3 -m pytest -q -rA -p no:cacheprovider ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} \
-                   > $RES/pytest_x2.log 2>&1; grep -h '^step \|sharded\|moments\|passed\|failed' \
+                   $([ "${TESTS_RAY:-}" = none ] || echo "python3 -m pytest -q -rA -p no:cacheprovider \
+                   ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} > $RES/pytest_x2.log 2>&1;") grep -h '^step \|sharded\|moments\|passed\|failed' \
                    $RES/pytest_x2_trainer.log $RES/pytest_x2_extra.log $RES/pytest_x2.log 2>/dev/null | cut -c1-240";;
           split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
                    "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
@@ -141,14 +147,19 @@ case $step in
                    wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
-          kernels) job="$job; echo PART kernels; CUDA_VISIBLE_DEVICES=0 python3 -m fp8rl bench kernels \
-                   --shapes ${KERNEL_SHAPES:-15488x14336x4096,15488x4096x4096,15488x1024x4096} ${KERNEL_ARGS:-} --json $RES/kernels.json \
-                   > $RES/kernels.log 2>&1; grep -h 'fused\|copy' $RES/kernels.log | head -n 30";;
+          kernels) lj=""; case " ${KERNEL_ARGS:-} " in *" --sweep "*) lj="--launch-json $RES/quant_launch.json";; esac
+                 job="$job; echo PART kernels; CUDA_VISIBLE_DEVICES=0 python3 -m fp8rl bench kernels \
+                   --shapes ${KERNEL_SHAPES:-15488x14336x4096,15488x4096x4096,15488x1024x4096} ${KERNEL_ARGS:-} $lj \
+                   --json $RES/kernels.json > $RES/kernels.log 2>&1; grep -h 'fused\|copy\|sweep' $RES/kernels.log | head -n 30";;
           compile) job="$job; echo PART compile; python3 -m pytest -q -rA -p no:cacheprovider \
                    tests/gpu/test_compiled_trainer_cuda.py > $RES/pytest_compile.log 2>&1 && touch $RES/compile_ok; \
                    grep -h 'passed\|failed\|Error' $RES/pytest_compile.log | cut -c1-240 | tail -n 12";;
           fsdp8b) c8=""; [ "${COMPILE_8B:-}" = auto ] && c8='$([ -e '$RES'/compile_ok ] && echo --set optim.compile_elementwise=true)'
-                 job="$job; echo PART fsdp8b $c8; $(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
+                 # QUANT_LAUNCH=auto: the launch configurations the kernels part's sweep found fastest, if it ran
+                 ql=""; [ "${QUANT_LAUNCH:-}" = auto ] && ql='FP8RL_QUANT_LAUNCH="$(cat '$RES'/quant_launch.json 2>/dev/null)" '
+                 # GATHER_8B=auto: optim.fp8_gather_once (the default) only if its GPU test passed in the tests part
+                 [ "${GATHER_8B:-}" = auto ] && c8="$c8 "'$(grep -q "PASSED.*fp8_gather_once_on_cuda.*checkpointed" '$RES'/pytest_x2_trainer.log 2>/dev/null || echo --set optim.fp8_gather_once=false)'
+                 job="$job; echo PART fsdp8b $c8 launch \$(cat $RES/quant_launch.json 2>/dev/null); $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
                    "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
                    ${SET_8B:-} $c8";;
           rollout8b) V0=${ROLLOUT_GPU0:-fp8,fp8-row}; V1=${ROLLOUT_GPU1:-fp8-row-kv,bf16}

@@ -15,6 +15,7 @@ Times are the median of CUDA-event timings after warm-up; inputs are bf16 N(0, 1
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -145,46 +146,55 @@ def _quant_rows(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
     return rows
 
 
-def sweep_quant_configs(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
-    """Device time of each launch configuration of the fused quantizers at ``[m, k]`` (bytes identical across them)."""
+ROWWISE_CANDIDATES = [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
+COLWISE_CANDIDATES = [
+    (128, 4, "fused"), (128, 8, "fused"), (128, 16, "fused"),
+    (16, 2, "split"), (32, 2, "split"), (32, 4, "split"), (64, 4, "split"), (64, 8, "split"), (128, 4, "split"),
+    (128, 8, "split"),
+]  # fmt: skip
+TILES_CANDIDATES = [4, 8, 16]
+
+
+def sweep_quant_configs(shapes: Sequence[tuple[int, int]], copy_gbs: float) -> dict[str, Any]:
+    """Device time of each launch configuration of the fused quantizers at each ``[m, k]`` (bytes identical across
+    them), and the fastest of each kind over all the shapes (summed time), in ``kernels.parse_launch``'s form.
+
+    The rowwise sweep runs first and its winner is in use for the rest: the split mode's rowwise launch is one."""
     import torch
 
     from fp8rl.quant import kernels
     from fp8rl.quant.formats import E4M3
 
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    n_el = m * k
-    out = []
+    before = kernels.launch_now()
+    xs = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m, k in shapes}
+    rows: list[dict[str, Any]] = []
 
-    def groups(config: tuple[int, int, str], colwise: bool) -> Callable[[], object]:
-        return lambda: kernels.quantize_groups(x, E4M3, False, 128, colwise=colwise, config=config)
+    def measure(kind: str, label: Sequence[Any], bytes_per_value: int, **kw: Any) -> float:
+        fn = kernels.quantize_tiles if kind.startswith("tiles") else kernels.quantize_groups
+        total = 0.0
+        for (m, k), x in xs.items():
+            ms = gpu_time_ms(functools.partial(fn, x, E4M3, False, **kw))
+            total += ms
+            rows.append({"shape": [m, k], "kernel": kind, "config": list(label), "ms": ms,
+                         "fraction_of_copy": bytes_per_value * m * k / ms / 1e6 / copy_gbs})  # fmt: skip
+        return total
 
-    def tiles(warps: int, transpose: bool) -> Callable[[], object]:
-        return lambda: kernels.quantize_tiles(x, E4M3, False, transpose=transpose, warps=warps)
+    def fastest(times: dict[Any, float]) -> Any:
+        return min(times, key=lambda c: times[c])
 
-    for br, warps in [(16, 2), (32, 4), (64, 4), (64, 8)]:
-        ms = gpu_time_ms(groups((br, warps, ""), False))
-        out.append(
-            {"kernel": "groups", "config": [br, warps], "ms": ms, "fraction_of_copy": 3 * n_el / ms / 1e6 / copy_gbs}
+    best: dict[str, Any] = {}
+    try:
+        row = fastest({(b, w): measure("groups", (b, w), 3, config=(b, w, "")) for b, w in ROWWISE_CANDIDATES})
+        best["rowwise"] = list(row)
+        kernels.set_launch({"rowwise": (*row, "")})
+        col = fastest({c: measure("groups+transposed", c, 4, colwise=True, config=c) for c in COLWISE_CANDIDATES})
+        best["colwise"] = list(col)
+        best["tiles_warps"] = fastest(
+            {w: measure("tiles+transposed", (w,), 4, transpose=True, warps=w) for w in TILES_CANDIDATES}
         )
-    for cfg in [
-        (128, 8, "fused"),
-        (128, 16, "fused"),
-        (16, 2, "split"),
-        (32, 2, "split"),
-        (32, 4, "split"),
-        (64, 4, "split"),
-        (64, 8, "split"),
-    ]:
-        ms = gpu_time_ms(groups(cfg, True))
-        out.append({"kernel": "groups+transposed", "config": list(cfg), "ms": ms,
-                    "fraction_of_copy": 4 * n_el / ms / 1e6 / copy_gbs})  # fmt: skip
-    for warps in [4, 8, 16]:
-        for transpose in [False, True]:
-            ms = gpu_time_ms(tiles(warps, transpose))
-            out.append({"kernel": "tiles" + ("+transposed" if transpose else ""), "config": [warps], "ms": ms,
-                        "fraction_of_copy": (4 if transpose else 3) * n_el / ms / 1e6 / copy_gbs})  # fmt: skip
-    return out
+    finally:
+        kernels.set_launch(kernels.parse_launch(json.dumps(before)))
+    return {"rows": rows, "best": best, "default": before}
 
 
 def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
@@ -394,7 +404,7 @@ def run(shapes: Sequence[tuple[int, int, int]], sweep: bool = False) -> dict[str
         result["linear"].append(_linear_row(m, n, k))
         torch.cuda.empty_cache()
     if sweep:
-        result["sweep"] = {f"{m}x{k}": sweep_quant_configs(m, k, copy_gbs) for m, k in [(8192, 4096), (8192, 14336)]}
+        result["sweep"] = sweep_quant_configs(sorted(seen), copy_gbs)
         result["host_profile_8192x4096x4096"] = host_profile(8192, 4096, 4096)
         result["host_costs_us"] = host_costs()
     return result
@@ -429,12 +439,14 @@ def format_tables(r: dict[str, Any]) -> str:
             f"| {li['bf16_device_ms']:.3f} / {li['fp8_device_ms']:.3f}, {li['speedup_device']:.2f}x "
             f"| {li['fp8_weight_requantized_each_call_ms']:.3f}, {li['speedup_weight_requantized']:.2f}x |"
         )
-    for name, rows in r.get("sweep", {}).items():
-        lines += [
-            "",
-            f"sweep {name}: "
-            + "; ".join(f"{e['kernel']} {e['config']}: {e['ms']:.3f} ms {e['fraction_of_copy']:.0%}" for e in rows),
-        ]
+    if "sweep" in r:
+        sw = r["sweep"]
+        lines += ["", f"launch sweep (default {json.dumps(sw['default'])}, fastest {json.dumps(sw['best'])}):",
+                  "", "| shape | kernel | config | ms | of copy |", "|---|---|---|---|---|"]  # fmt: skip
+        for e in sw["rows"]:
+            lines.append(
+                f"| {e['shape'][0]}x{e['shape'][1]} | {e['kernel']} | {e['config']} | {e['ms']:.3f} | {e['fraction_of_copy']:.0%} |"
+            )
     if "host_costs_us" in r:
         lines += [
             "",
@@ -461,6 +473,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep", action="store_true", help="also time each kernel launch configuration and profile host time"
     )
+    p.add_argument(
+        "--launch-json",
+        default=None,
+        help="with --sweep: write the fastest launch configurations here, as FP8RL_QUANT_LAUNCH reads them",
+    )
+
+
+def _write(dst: Path, text: str) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(dst)
 
 
 def main_with_args(args: argparse.Namespace) -> int:
@@ -471,16 +495,17 @@ def main_with_args(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"fp8rl bench kernels: error: {e}", file=sys.stderr)
         return 2
+    if args.launch_json and not args.sweep:
+        print("fp8rl bench kernels: error: --launch-json needs --sweep", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("fp8rl bench kernels: error: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     result = run(shapes, sweep=args.sweep)
     if args.json:  # the measurements first: a table that fails to print loses nothing
-        dst = Path(args.json)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(dst)
+        _write(Path(args.json), json.dumps(result, indent=2))
+    if args.launch_json:
+        _write(Path(args.launch_json), json.dumps(result["sweep"]["best"]))
     print(format_tables(result))
     return 0
 

@@ -177,7 +177,16 @@ def _part_key(cfg: RunConfig, model_dir: str | Path, bench: StepBench) -> dict[s
         "warmup": bench.warmup, "device": bench.device, "verify_sync": bench.verify_sync,
         # only when on: parts measured before the flag existed still resume
         **({"profile_train": True} if bench.profile_train else {}),
+        **({"quant_launch": _quant_launch()} if os.environ.get("FP8RL_QUANT_LAUNCH") else {}),
     }  # fmt: skip
+
+
+def _quant_launch() -> dict[str, object]:
+    """The FP8 quantization kernels' launch configurations this process uses (``FP8RL_QUANT_LAUNCH`` or the
+    defaults); the trainer workers it starts inherit its environment, so theirs."""
+    from fp8rl.quant import kernels
+
+    return kernels.launch_now()
 
 
 def _read_part(path: Path, key: dict[str, Any]) -> ThroughputResult:
@@ -275,6 +284,11 @@ def _headline(meta: dict[str, Any]) -> str:
     settings += [what for key, what in (("activation_checkpointing", "activation checkpointing"),
                                         ("compile_elementwise", "compiled norms and SiLU gate"),
                                         ("offload_optimizer_state", "AdamW state offloaded")) if optim.get(key)]  # fmt: skip
+    if ray and ray.get("trainer_sharding") == "fsdp" and optim.get("fp8_gather_once"):
+        settings.append("FP8 layers gathered once per step")
+    launch = meta.get("quant_launch")
+    if launch and meta.get("quant_launch_from_env"):
+        settings.append(f"quantization launch rowwise {launch['rowwise']}, with transpose {launch['colwise']}")
     return head + (f" ({', '.join(settings)})" if settings else "")
 
 
@@ -415,7 +429,8 @@ def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResul
     meta: dict[str, Any] = {
         "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
         "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes), "verify_sync": bench.verify_sync,
-        "profile_train": bench.profile_train,
+        "profile_train": bench.profile_train, "quant_launch": _quant_launch(),
+        "quant_launch_from_env": bool(os.environ.get("FP8RL_QUANT_LAUNCH")),
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8rl.quant import QuantSpec, fp8_gemm, quantize_activation, quantize_weight
+from fp8rl.quant import QuantizedTensor, QuantSpec, fp8_gemm, quantize_activation, quantize_weight
 from fp8rl.quant.block_linear import (
     BlockWeight,
     block_input_rows,
@@ -83,13 +83,20 @@ def checkpoint_contexts() -> tuple[AbstractContextManager[None], AbstractContext
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: QuantSpec,
+        cached: tuple[QuantizedTensor, QuantizedTensor] | None = None,  # quantize_weight of W and of W^T
     ) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        out = fp8_gemm(quantize_activation(x2, spec), quantize_weight(weight, spec), out_dtype=x.dtype, bias=bias)
-        ctx.save_for_backward(x2, weight)
-        ctx.spec = spec
+        wq = cached[0] if cached is not None else quantize_weight(weight, spec)
+        out = fp8_gemm(quantize_activation(x2, spec), wq, out_dtype=x.dtype, bias=bias)
+        # with the weight's FP8 copies cached, its values are never read again (their storage may be released)
+        ctx.save_for_backward(x2, None if cached is not None else weight)
+        ctx.spec, ctx.cached, ctx.weight_dtype = spec, cached, weight.dtype
         ctx.has_bias = bias is not None
         return out.reshape(*lead, weight.shape[0])
 
@@ -97,15 +104,18 @@ class _FP8LinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
         spec: QuantSpec = ctx.spec
-        g2 = grad_out.reshape(-1, weight.shape[0])
-        grad_x = fp8_gemm(
-            quantize_activation(g2, spec), quantize_weight(weight.t(), spec), out_dtype=grad_out.dtype
-        ).reshape(*grad_out.shape[:-1], weight.shape[1])
+        cached: tuple[QuantizedTensor, QuantizedTensor] | None = ctx.cached
+        wtq = cached[1] if cached is not None else quantize_weight(weight.t(), spec)
+        n = wtq.data.shape[1]
+        g2 = grad_out.reshape(-1, n)
+        grad_x = fp8_gemm(quantize_activation(g2, spec), wtq, out_dtype=grad_out.dtype).reshape(
+            *grad_out.shape[:-1], x2.shape[1]
+        )
         grad_w = fp8_gemm(
             quantize_activation(g2.t(), spec), quantize_activation(x2.t(), spec), out_dtype=torch.float32
-        ).to(weight.dtype)
-        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        ).to(ctx.weight_dtype)
+        grad_b = g2.sum(0).to(ctx.weight_dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _SharedInput:
@@ -227,9 +237,15 @@ class FP8TrainLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run in FP8 per ``spec``; parameters unchanged (same names)."""
 
     _fused_weight: BlockWeight | None = None  # the fused path's FP8 weight operands, per weight version
+    # the reference path's (quantize_weight of W, of W^T), kept only with cache_until_changed
+    _reference_weight: tuple[QuantizedTensor, QuantizedTensor] | None = None
     # FSDP2 re-gathers the weight into the same storage every forward (its version counter says nothing):
     # the sharded trainer sets this and calls ``weights_changed`` after every optimizer step instead
     cache_until_changed: bool = False
+    # with cache_until_changed: once its FP8 copies are made, free the (gathered) weight's storage -- nothing reads
+    # it again before ``weights_changed``; the sharded trainer's ``optim.fp8_gather_once`` (FSDP2 then keeps the
+    # layer "unsharded" across micro-batches without holding its bf16 weights, and gathers once per weight version)
+    release_weight: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, spec: QuantSpec, **kw: Any) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
@@ -243,6 +259,7 @@ class FP8TrainLinear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias  # share the Parameters
         new.spec = spec
         new._fused_weight = None
+        new._reference_weight = None
         return new
 
     def _block_weight(self) -> BlockWeight | None:
@@ -258,9 +275,26 @@ class FP8TrainLinear(nn.Linear):
             self._fused_weight = cached
         return cached
 
+    def _reference_operands(self) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+        """The reference path's FP8 copies of W and W^T, cached until ``weights_changed`` (sharded trainer only)."""
+        if not self.cache_until_changed:
+            return None
+        if self._reference_weight is None:
+            with torch.no_grad():
+                w = self.weight.detach()
+                self._reference_weight = (quantize_weight(w, self.spec), quantize_weight(w.t(), self.spec))
+        return self._reference_weight
+
+    def _release(self) -> None:
+        """Free the weight's storage (``release_weight``): FSDP2 allocates it again at its next all-gather."""
+        storage = self.weight.untyped_storage()
+        if storage.size():
+            storage.resize_(0)
+
     def weights_changed(self) -> None:
         """The weight was updated (an optimizer step, a load): the next forward re-quantizes it."""
         self._fused_weight = None
+        self._reference_weight = None
 
     def refresh_weight(self) -> None:
         """The weight was updated and CUDA graphs read this module's cached FP8 operands
@@ -279,8 +313,12 @@ class FP8TrainLinear(nn.Linear):
         wq = self._block_weight()
         if wq is not None:
             need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
-            return _FusedBlockFP8LinearFunction.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.spec)
+            out = _FusedBlockFP8LinearFunction.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad)
+        else:
+            out = _FP8LinearFunction.apply(x, self.weight, self.bias, self.spec, self._reference_operands())
+        if self.release_weight and self.cache_until_changed:
+            self._release()
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.spec.granularity}"

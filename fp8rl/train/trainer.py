@@ -70,6 +70,9 @@ class TrainerOptions:
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
     offload_optimizer_state: bool = False  # AdamW's moments in host memory between steps (fp8rl.train.optim)
     compile_elementwise: bool = False  # RMSNorm and the SiLU gate as torch.compile kernels (fp8rl.train.compiled)
+    # fsdp + fp8 (torch): gather each decoder layer's weights once per weight version, not at every forward and
+    # backward: the FP8 linears' cached copies serve every micro-batch (see ``TorchTrainer._shard``)
+    fp8_gather_once: bool = True
     # decoder layers replayed as CUDA graphs, micro-batches padded to shape buckets (fp8rl.train.graphs)
     cuda_graphs: bool = False
     cuda_graph_width: int = 128  # the buckets' width step, in columns
@@ -101,6 +104,7 @@ class TorchTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
             )
         self.optimizer: MasterWeightAdamW | ShardedAdamW
+        self._gather_once_units: list[Any] = []  # FSDP2 units left unsharded between weight versions (_shard)
         if self.sharded:
             self._shard()
             self.optimizer = ShardedAdamW(
@@ -141,7 +145,21 @@ class TorchTrainer:
             for p in self.model.parameters():  # bf16 -> fp32 is exact: the masters start where the weights are
                 p.data = p.data.to(torch.float32)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        units = [fully_shard(layer, mesh=mesh, mp_policy=mp) for layer in self.model.model.layers]
+        # fp8_gather_once: a layer's FP8 linears quantize their gathered weights once per weight version and cache
+        # the copies (``FP8TrainLinear.cache_until_changed``), so the bf16 weights FSDP2 gathers again for every
+        # later forward and backward (every micro-batch's) go unread.  The layer is then left unsharded after its
+        # forward and backward (its gradients still reduce-scatter every micro-batch), its FP8 linears free the
+        # gathered bf16 weights once quantized (``release_weight``: only the norms and any BF16 linear stay
+        # gathered), and ``_weights_changed`` reshards it so that the next forward gathers the new weights.
+        once = self.opts.fp8_gather_once and any(isinstance(m, FP8TrainLinear) for m in self.model.modules())
+        units = [fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not once)
+                 for layer in self.model.model.layers]  # fmt: skip
+        self._gather_once_units = units if once else []
+        for unit in self._gather_once_units:
+            unit.set_reshard_after_backward(False, recurse=False)
+        for m in self.model.modules():
+            if isinstance(m, FP8TrainLinear):
+                m.release_weight = once
         units.append(fully_shard(self.model, mesh=mesh, mp_policy=mp))
         for unit in units:  # each rank's loss is its exact share of the global loss: SUM, no division
             unit.set_gradient_divide_factor(1.0)
@@ -191,6 +209,14 @@ class TorchTrainer:
                     m.refresh_weight()
                 else:
                     m.weights_changed()
+        self._reshard_gather_once()
+
+    def _reshard_gather_once(self) -> None:
+        """``fp8_gather_once``: put the layers left unsharded back to their shards (the next forward gathers
+        again). Before new weights, and before anything reads the parameters outside a forward: an unsharded
+        layer's module attributes are the gathered parameters, whose FP8 linears' storage is released."""
+        for unit in self._gather_once_units:
+            unit.reshard()
 
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:
         """A forward of ``MicroBatcher.padding_batch``: every token it computes is waste (counted computed, not valid)."""
@@ -388,6 +414,7 @@ class TorchTrainer:
         """Each parameter's full bf16 tensor on this device, one at a time (sharded: a collective each)."""
         from torch.distributed.tensor import DTensor
 
+        self._reshard_gather_once()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 full = p.full_tensor() if isinstance(p, DTensor) else p.detach()

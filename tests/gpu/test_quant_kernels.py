@@ -16,6 +16,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("needs a CUDA GPU with FP8 (sm_89+)", allow_module_level=True)
 pytest.importorskip("triton")
 
+from fp8rl.bench.kernels import COLWISE_CANDIDATES, ROWWISE_CANDIDATES, TILES_CANDIDATES  # noqa: E402
 from fp8rl.quant import (  # noqa: E402
     NonFiniteError,
     QuantSpec,
@@ -102,9 +103,10 @@ def test_one_pass_rowwise_and_colwise_equal_the_reference_of_x_and_x_transposed(
 
 
 @pytest.mark.parametrize(
-    "config", [(16, 2, "split"), (64, 8, "split"), (128, 8, "fused"), (128, 16, "fused"), (16, 2, ""), (64, 8, "")]
+    "config", [(*c, "") for c in ROWWISE_CANDIDATES] + COLWISE_CANDIDATES, ids=lambda c: "-".join(map(str, c))
 )
 def test_every_launch_config_gives_the_same_bytes(config: tuple[int, int, str]) -> None:
+    """Every configuration ``fp8rl bench kernels --sweep`` may pick (and ``FP8RL_QUANT_LAUNCH`` then use)."""
     from fp8rl.quant.formats import E4M3
 
     x = _input((1000, 1024), 5)
@@ -114,7 +116,7 @@ def test_every_launch_config_gives_the_same_bytes(config: tuple[int, int, str]) 
     for a, b in zip(got, want, strict=True):
         if a is not None:
             assert b is not None and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    for warps in (4, 16):
+    for warps in TILES_CANDIDATES:
         _same_tiles = kernels.quantize_tiles(x, E4M3, True, transpose=True, warps=warps)
         ref = kernels.quantize_tiles(x, E4M3, True, transpose=True)
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(_same_tiles, ref, strict=True))

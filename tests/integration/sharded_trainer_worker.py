@@ -57,6 +57,19 @@ def _state_device_bytes(trainer: TorchTrainer) -> int:
     )  # fmt: skip
 
 
+def _count_all_gathers() -> list[int]:
+    """Count ``torch.distributed.all_gather_into_tensor`` calls (FSDP2's parameter all-gathers) from now on."""
+    count = [0]
+    real = dist.all_gather_into_tensor
+
+    def counted(*args: object, **kwargs: object) -> object:
+        count[0] += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+    return count
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -68,7 +81,9 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--offload-optimizer-state", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
+    ap.add_argument("--no-fp8-gather-once", action="store_true", help="TrainerOptions.fp8_gather_once=False")
     args = ap.parse_args()
+    gathers = _count_all_gathers()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
@@ -77,6 +92,7 @@ def main() -> None:
     opts = TrainerOptions(
         precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp", backend=args.backend,
         activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state,
+        fp8_gather_once=not args.no_fp8_gather_once,
     )  # fmt: skip
     trainer: TorchTrainer
     if args.backend == "te":
@@ -94,6 +110,7 @@ def main() -> None:
     kv_before = trainer.kv_scales(batch, 0.999, 1.1)[0]
     history = []
     for _ in range(args.steps):
+        before = gathers[0]
         m = trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], GRPOConfig(), 1.0,
                                 totals=totals)  # fmt: skip
         parts: list[dict[str, float] | None] = [None] * world
@@ -101,12 +118,15 @@ def main() -> None:
         summed = {k: sum(p.get(k, 0.0) for p in parts if p) for k in m}
         summed["grad_norm"], summed["lr"] = m["grad_norm"], m["lr"]
         summed["state_device_bytes"] = float(_state_device_bytes(trainer))  # this rank's, after the step
+        summed["all_gathers"] = float(gathers[0] - before)  # this rank's FSDP2 all-gathers in the step
         history.append(summed)
     kv_after = trainer.kv_scales(batch, 0.999, 1.1)[0]
     lp_parts: list[torch.Tensor | None] = [None] * world
     dist.all_gather_object(lp_parts, trainer.compute_logprobs(batch.slice(rows), 1.0))
     from torch.distributed.tensor import DTensor
 
+    weights = {k: v.cpu() for k, v in trainer.hf_state_dict().items()}
+    # counted after the gather: a forward leaves layers unsharded under fp8_gather_once until the weights are read
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trainer.model.parameters())
     state_local = sum(
         v.to_local().numel() for s in trainer.optimizer.optimizer.state.values() for v in s.values()
@@ -114,7 +134,6 @@ def main() -> None:
     )  # fmt: skip
     sizes: list[tuple[int, int] | None] = [None] * world
     dist.all_gather_object(sizes, (local, state_local))
-    weights = {k: v.cpu() for k, v in trainer.hf_state_dict().items()}
     state = trainer.state_dict()
     kept: list[tuple[int, int, int] | None] = [None] * world  # what each rank holds of the gathered state
     mine = (len(state["masters"]), len(state["optimizer"]["state"]), len(trainer.hf_state_dict(keep=rank == 0)))

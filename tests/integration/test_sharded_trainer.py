@@ -142,3 +142,28 @@ def test_optimizer_state_offload_changes_memory_not_numbers(tiny_models: dict[st
     for i, s in ref_optim["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(got["state"]["optimizer"]["state"][i][k], s[k].cpu(), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_fp8_gather_once_changes_the_gathers_not_the_numbers(
+    tiny_models: dict[str, Path], tmp_path: Path, checkpointing: bool
+) -> None:
+    """``optim.fp8_gather_once`` (the default): the FP8 linears' cached copies serve every micro-batch, so FSDP2
+    gathers each decoder layer once per weight version instead of for every forward and backward (with activation
+    checkpointing, the recompute's as well); the losses, gradient norms and trained weights are exactly those of
+    the run that gathers every time."""
+    model = tiny_models["tiny"]
+    flags = ["--precision", "fp8", *(["--activation-checkpointing"] if checkpointing else [])]
+    once = _sharded(model, tmp_path / "once", *flags)
+    every = _sharded(model, tmp_path / "every", *flags, "--no-fp8-gather-once")
+    for a, b in zip(every["history"], once["history"], strict=True):
+        assert (b["loss"], b["grad_norm"]) == (a["loss"], a["grad_norm"])
+        assert b["all_gathers"] < a["all_gathers"], (b["all_gathers"], a["all_gathers"])
+    for name, w in every["weights"].items():
+        assert torch.equal(once["weights"][name], w), name
+    assert torch.equal(once["logprobs"], every["logprobs"])
+    # rank 0 runs two micro-batches a step: gathering every time costs at least two forwards' and two backwards'
+    # gathers of every layer; once, at most one gather of each layer (plus the root unit's)
+    layers = TorchTrainer(model, TrainerOptions()).model.config.num_hidden_layers
+    assert all(h["all_gathers"] >= 4 * layers for h in every["history"])
+    assert all(h["all_gathers"] <= layers + 4 for h in once["history"])

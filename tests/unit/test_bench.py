@@ -175,6 +175,8 @@ def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.C
     assert doc["meta"]["optim"]["micro_batch_tokens"] == 16384 and not doc["meta"]["optim"]["compile_elementwise"]
     assert doc["meta"]["verify_sync"] is True and doc["meta"]["gpus"] == 0 and doc["meta"]["ray"] is None
     assert doc["meta"]["profile_train"] is True
+    # the quantization kernels' launch configurations (the defaults: FP8RL_QUANT_LAUNCH unset) are recorded
+    assert doc["meta"]["quant_launch"]["colwise"] == [64, 4, "split"] and not doc["meta"]["quant_launch_from_env"]
     by = {r["recipe"]: r for r in doc["results"]}
     assert list(by) == ["bf16", "fp8-e2e"] and doc["meta"]["max_tokens"] == 24
     for r in by.values():

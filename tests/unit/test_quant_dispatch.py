@@ -87,6 +87,8 @@ def test_bench_kernels_command_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert parse_shapes("8192x4096x4096, 1x2x3") == [(8192, 4096, 4096), (1, 2, 3)]
     assert main(["bench", "kernels", "--shapes", "8192x4096"]) == 2
     assert "--shapes: '8192x4096' is not MxNxK" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--shapes", "128x128x128", "--launch-json", "x.json"]) == 2
+    assert "--launch-json needs --sweep" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["bench", "kernels", "--shapes", "128x128x128"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
@@ -105,11 +107,13 @@ def test_bench_tables_render_every_section() -> None:
                     "fp8_back_to_back_ms": 1.1, "fp8_host_ms": 1.1, "speedup_back_to_back": 0.91, "bf16_device_ms": 1.06,
                     "fp8_device_ms": 0.88, "speedup_device": 1.21, "fp8_weight_requantized_each_call_ms": 1.7,
                     "speedup_weight_requantized": 0.69}],
-        "sweep": {"8192x4096": [{"kernel": "groups", "config": [32, 4], "ms": 0.039, "fraction_of_copy": 0.87}]},
+        "sweep": {"rows": [{"shape": [8192, 4096], "kernel": "groups", "config": [32, 4], "ms": 0.039, "fraction_of_copy": 0.87}],
+                  "best": {"rowwise": [32, 4], "colwise": [128, 8, "fused"], "tiles_warps": 16},
+                  "default": {"rowwise": [32, 4], "colwise": [64, 4, "split"], "tiles_warps": 16}},
         "host_costs_us": {"quantize_groups": 45.0, "cprofile_fp8_linear_20_calls": "profile text"},
         "host_profile_8192x4096x4096": [{"op": "aten::_scaled_mm_v2", "self_cpu_us_per_call": 177.0, "count": 3.0}],
     }  # fmt: skip
     text = format_tables(result)
     for needle in ["| 8192x4096 | act 1x128 fused | 0.040 | 2600 | 87% |", "| 1.37x |", "0.91x", "1.21x",
-                   "groups [32, 4]: 0.039 ms 87%", "quantize_groups 45.0", "profile text", "aten::_scaled_mm_v2 177us"]:  # fmt: skip
+                   "| 8192x4096 | groups | [32, 4] | 0.039 | 87% |", '"colwise": [128, 8, "fused"]' , "quantize_groups 45.0", "profile text", "aten::_scaled_mm_v2 177us"]:  # fmt: skip
         assert needle in text, needle
