@@ -269,16 +269,23 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"rows_per_rank": rows, "ranks": world, "prompt": 128, "response": response,
                            "layers": a.rl_layers, "micro_batch_tokens": a.rl_mbt,
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
-    for precision in ("bf16", "fp8"):
+    # a variant: a precision, "-regather" = optim.fp8_gather_once off (FSDP2 gathers FP8 layers every micro-batch)
+    for variant in a.rl_variants.split(","):
+        precision = variant.removesuffix("-regather")
         torch.cuda.reset_peak_memory_stats()
         o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
                            sharding="fsdp" if world > 1 else "replicate",
-                           compile_elementwise=a.compile_elementwise)  # fmt: skip
+                           compile_elementwise=a.compile_elementwise,
+                           fp8_gather_once=not variant.endswith("-regather"))  # fmt: skip
         trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
         times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
+        trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
             trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
             torch.cuda.synchronize()
+            profiled_s = time.perf_counter() - t0
         with profile(activities=[ProfilerActivity.CUDA]) as prof_lp:
             trainer.compute_logprobs(batch, 1.0)
             torch.cuda.synchronize()
@@ -289,21 +296,25 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
         r["train_device_ms_by_category"] = categorize(prof, kernels)
         r["train_top_kernels"] = sorted(kernels, key=lambda t: -t[2])[:25]
         for cat, name, ms, n in r["train_top_kernels"][:14]:
-            say(f"[rlprofile] {precision} {cat:>12} {ms:8.1f} ms {n:6d}x  {name}")
+            say(f"[rlprofile] {variant} {cat:>12} {ms:8.1f} ms {n:6d}x  {name}")
         r["train_device_ms_total"] = sum(r["train_device_ms_by_category"].values())
+        # the compute stream's idle time in the profiled step: its wall time less the non-NCCL kernels' sum
+        cats = r["train_device_ms_by_category"]
+        r["profiled_train_s"] = profiled_s
+        r["train_idle_s"] = profiled_s - sum(v for k, v in cats.items() if k != "nccl") / 1e3
         r["logprob_device_ms_total"] = sum(r["logprob_device_ms_by_category"].values())
-        out[precision] = r
-        say(f"[rlprofile] {precision}: logprob {r['logprob_s']:.2f} s, train {r['train_s']:.2f} s "
+        out[variant] = r
+        say(f"[rlprofile] {variant}: idle {r['train_idle_s']:.2f} s of {profiled_s:.2f} s; logprob {r['logprob_s']:.2f} s, train {r['train_s']:.2f} s "
             f"(device {r['train_device_ms_total']:.0f} ms: "
             + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["train_device_ms_by_category"].items(), key=lambda t: -t[1]))
             + f"), peak {r['peak_mem_gb']:.1f} GB")  # fmt: skip
         del trainer
         torch.cuda.empty_cache()
-    for k in ("logprob_s", "train_s"):
-        out[f"fp8_vs_bf16_{k}"] = out["bf16"][k] / out["fp8"][k]
-    say(
-        f"[rlprofile] fp8 vs bf16: logprob {out['fp8_vs_bf16_logprob_s']:.2f}x, train {out['fp8_vs_bf16_train_s']:.2f}x"
-    )
+    if "bf16" in out and "fp8" in out:
+        for k in ("logprob_s", "train_s"):
+            out[f"fp8_vs_bf16_{k}"] = out["bf16"][k] / out["fp8"][k]
+        say(f"[rlprofile] fp8 vs bf16: logprob {out['fp8_vs_bf16_logprob_s']:.2f}x, "
+            f"train {out['fp8_vs_bf16_train_s']:.2f}x")  # fmt: skip
     return out
 
 
@@ -396,6 +407,8 @@ def main() -> None:
     p.add_argument("--rl-response", type=int, default=1024, help="rl section: response tokens")
     p.add_argument("--rl-layers", type=int, default=8, help="rlprofile section: decoder layers at Llama-8B width")
     p.add_argument("--rl-mbt", type=int, default=16384, help="rlprofile section: micro-batch padded tokens")
+    p.add_argument("--rl-variants", default="bf16,fp8",
+                   help="rlprofile section: bf16, fp8, fp8-regather (optim.fp8_gather_once off)")  # fmt: skip
     p.add_argument("--json", default="fp8_speed.json", help="file name under $OUT")
     a = p.parse_args()
     if a.colwise_config:
