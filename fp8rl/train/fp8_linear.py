@@ -286,7 +286,13 @@ class FP8TrainLinear(nn.Linear):
         return self._reference_weight
 
     def _release(self) -> None:
-        """Free the weight's storage (``release_weight``): FSDP2 allocates it again at its next all-gather."""
+        """Free the weight's storage (``release_weight``): FSDP2 allocates it again at its next all-gather.
+        Only a gathered (plain) weight: a forward that somehow ran on the sharded parameter (a DTensor, the fp32
+        master shard) must never lose it."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(self.weight, DTensor):
+            return
         storage = self.weight.untyped_storage()
         if storage.size():
             storage.resize_(0)
