@@ -214,7 +214,9 @@ def ensure_ray(rc: RayConfig, num_actors: int) -> bool:
         return False
     address = rc.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        # a remote cluster's workers do not inherit this process's environment: pass on what fp8rl reads from it
+        env = {k: os.environ[k] for k in ("FP8RL_QUANT_LAUNCH",) if os.environ.get(k)}
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(

@@ -241,15 +241,16 @@ def parse_launch(text: str, source: str = LAUNCH_ENV) -> dict[str, object]:
     if "rowwise" in raw:
         v = raw["rowwise"]
         ok = isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
-        if not ok or not (_is_pow2(v[0]) and v[0] <= 256 and v[1] in _WARPS):
-            raise ValueError(f"{source}: rowwise must be [rows per program (power of two <= 256), warps], got {v!r}")
+        if not ok or not (_is_pow2(v[0]) and v[0] <= 128 and v[1] in _WARPS):
+            raise ValueError(f"{source}: rowwise must be [rows per program (power of two <= 128), warps], got {v!r}")
         out["rowwise"] = (v[0], v[1], "")
     if "colwise" in raw:
         v = raw["colwise"]
         ok = isinstance(v, list) and len(v) == 3 and type(v[0]) is int and type(v[1]) is int
-        if not ok or v[2] not in ("split", "fused") or not (_is_pow2(v[0]) and 16 <= v[0] <= 256 and v[1] in _WARPS):
+        if not ok or v[2] not in ("split", "fused") or not (_is_pow2(v[0]) and 16 <= v[0] <= 128 and v[1] in _WARPS):
             raise ValueError(
-                f"{source}: colwise must be [columns per program (power of two, 16..256), warps, 'split' or 'fused'], got {v!r}"
+                f"{source}: colwise must be [columns per program (power of two, 16..128; 'fused' reads 128), warps, "
+                f"'split' or 'fused'], got {v!r}"
             )
         out["colwise"] = (v[0], v[1], v[2])
     if "tiles_warps" in raw:

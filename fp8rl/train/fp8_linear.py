@@ -237,7 +237,7 @@ class FP8TrainLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run in FP8 per ``spec``; parameters unchanged (same names)."""
 
     _fused_weight: BlockWeight | None = None  # the fused path's FP8 weight operands, per weight version
-    # the reference path's (quantize_weight of W, of W^T), kept only with cache_until_changed
+    # the reference path's (quantize_weight of W, of W^T), kept only when the gathered weight is released
     _reference_weight: tuple[QuantizedTensor, QuantizedTensor] | None = None
     # FSDP2 re-gathers the weight into the same storage every forward (its version counter says nothing):
     # the sharded trainer sets this and calls ``weights_changed`` after every optimizer step instead
@@ -276,8 +276,9 @@ class FP8TrainLinear(nn.Linear):
         return cached
 
     def _reference_operands(self) -> tuple[QuantizedTensor, QuantizedTensor] | None:
-        """The reference path's FP8 copies of W and W^T, cached until ``weights_changed`` (sharded trainer only)."""
-        if not self.cache_until_changed:
+        """The reference path's FP8 copies of W and W^T, cached until ``weights_changed`` -- only where the gathered
+        weight is released after this forward (``release_weight``): 2 bytes a parameter, as the fused path's cache."""
+        if not (self.release_weight and self.cache_until_changed):
             return None
         if self._reference_weight is None:
             with torch.no_grad():

@@ -151,15 +151,17 @@ class TorchTrainer:
         # forward and backward (its gradients still reduce-scatter every micro-batch), its FP8 linears free the
         # gathered bf16 weights once quantized (``release_weight``: only the norms and any BF16 linear stay
         # gathered), and ``_weights_changed`` reshards it so that the next forward gathers the new weights.
-        once = self.opts.fp8_gather_once and any(isinstance(m, FP8TrainLinear) for m in self.model.modules())
-        units = [fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not once)
-                 for layer in self.model.model.layers]  # fmt: skip
-        self._gather_once_units = units if once else []
-        for unit in self._gather_once_units:
-            unit.set_reshard_after_backward(False, recurse=False)
-        for m in self.model.modules():
-            if isinstance(m, FP8TrainLinear):
-                m.release_weight = once
+        units: list[Any] = []
+        for layer in self.model.model.layers:  # per layer: a BF16 layer (bf16_first/last_layers) keeps the default
+            fp8 = [m for m in layer.modules() if isinstance(m, FP8TrainLinear)]
+            once = self.opts.fp8_gather_once and bool(fp8)
+            unit = fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not once)
+            units.append(unit)
+            if once:
+                unit.set_reshard_after_backward(False, recurse=False)
+                self._gather_once_units.append(unit)
+                for m in fp8:
+                    m.release_weight = True
         units.append(fully_shard(self.model, mesh=mesh, mp_policy=mp))
         for unit in units:  # each rank's loss is its exact share of the global loss: SUM, no division
             unit.set_gradient_divide_factor(1.0)
@@ -304,6 +306,10 @@ class TorchTrainer:
         finally:
             if self.sharded:
                 self.model.reshard()
+                # the calibration's forward left FP8 copies of the whole model cached (and, with fp8_gather_once,
+                # the layers gathered); it runs in the sync, before the colocated engine wakes: let them go -- the
+                # next forward quantizes again
+                self._weights_changed()
 
     # ---- updates -------------------------------------------------------------------------------------
     @profiled_step  # under the profiler when asked (profile_next_policy_step)

@@ -157,13 +157,16 @@ def test_throughput_result_round_trips() -> None:
     assert r.to_dict()["rollout_tokens_per_s"] == 10.0 and r.metrics()["bench/sync_bytes"] == 100.0
 
 
-def test_bench_step_compares_recipes_in_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_step_compares_recipes_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``fp8rl bench step`` on random tiny weights: every recipe's real steps with responses run to max_tokens,
     the breakdown adds up, speedups are against the bf16 of the same run, JSON + Markdown + MLflow comparison."""
     import json
 
     from fp8rl.cli import main
 
+    monkeypatch.delenv("FP8RL_QUANT_LAUNCH", raising=False)  # the defaults are asserted below
     work = tmp_path / "work"
     argv = ["bench", "step", "--shape", "tiny", "--recipes", "bf16,fp8-e2e", "--prompts", "2", "--samples", "2",
             "--max-tokens", "24", "--steps", "2", "--warmup", "1", "--device", "cpu", "--work-dir", str(work),

@@ -31,6 +31,8 @@ def test_parse_launch_accepts_each_key_alone_and_all_together() -> None:
         ("[1, 2]", "expected a JSON object"),
         ('{"rows": [32, 4]}', "unknown key(s) ['rows']"),
         ('{"rowwise": [24, 4]}', "rowwise must be"),
+        ('{"rowwise": [256, 4]}', "rowwise must be"),
+        ('{"colwise": [256, 4, "split"]}', "colwise must be"),
         ('{"rowwise": [32, 3]}', "rowwise must be"),
         ('{"rowwise": [32, 4, ""]}', "rowwise must be"),
         ('{"colwise": [64, 4, "both"]}', "colwise must be"),

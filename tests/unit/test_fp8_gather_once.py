@@ -1,0 +1,86 @@
+"""``optim.fp8_gather_once`` in one process: which FSDP2 units it applies to and what the FP8 linears cache.
+
+A one-rank gloo group runs real FSDP2 here (no communication); the two-rank runs that compare the numbers with and
+without it are ``tests/integration/test_sharded_trainer.py`` (CPU) and ``tests/gpu/test_sharded_trainer_cuda.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fp8rl.config import GRPOConfig
+from fp8rl.quant import QuantSpec
+from fp8rl.train.fp8_linear import FP8TrainLinear
+from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _batch() -> tuple:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20, (4,), generator=g).tolist() for _ in range(4)]
+    responses = torch.randint(3, 20, (4, 5), generator=g)
+    mask = torch.ones(4, 5)
+    return build_batch(prompts, responses, mask, pad_id=0), torch.randn(4, generator=g), -torch.rand(4, 5), mask
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path], one_rank: None, once: bool) -> None:
+    opts = TrainerOptions(precision="fp8", sharding="fsdp", bf16_first_layers=1, micro_batch_size=2,
+                          fp8_gather_once=once)  # fmt: skip
+    trainer = TorchTrainer(tiny_models["tiny"], opts)
+    layers = list(trainer.model.model.layers)
+    assert not any(isinstance(m, FP8TrainLinear) for m in layers[0].modules())  # the BF16 first layer
+    # the FP8 layers, and only they, are left unsharded between weight versions; their FP8 linears release
+    assert trainer._gather_once_units == (layers[1:] if once else [])
+    fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
+    assert fp8 and all(m.release_weight is once for m in fp8)
+    batch, adv, old, mask = _batch()
+    trainer.compute_logprobs(batch, 1.0)
+    # after a forward: gathered FP8 weights released (storage empty) and their FP8 copies cached -- only with once
+    assert all((m.weight.untyped_storage().size() == 0) is once for m in fp8)
+    assert all((m._reference_weight is not None) is once for m in fp8)
+    m = trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+    assert m["grad_norm"] > 0
+    # the optimizer step dropped the copies and resharded: the weights read afterwards are whole
+    assert all(m._reference_weight is None for m in fp8)
+    weights = trainer.hf_state_dict()
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_reference_cache_only_where_the_weight_is_released() -> None:
+    """Sharded without gather-once (``cache_until_changed`` alone) the reference path quantizes per call, as before:
+    no FP8 copy of the whole model kept on every rank; with ``release_weight`` it keeps W's and W^T's, and a forward
+    and backward through them give the per-call path's outputs and gradients exactly."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 128, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(6, 256, dtype=torch.bfloat16, requires_grad=True)
+
+    def run(release: bool) -> tuple[FP8TrainLinear, torch.Tensor, torch.Tensor, torch.Tensor]:
+        lin = FP8TrainLinear.from_linear(torch.nn.Linear(256, 128, bias=False, dtype=torch.bfloat16), QuantSpec())
+        with torch.no_grad():
+            lin.weight.copy_(base.weight)
+        lin.cache_until_changed, lin.release_weight = True, release
+        xi = x.detach().clone().requires_grad_(True)
+        y = lin(xi)
+        assert (lin._reference_weight is not None) is release
+        y.float().square().sum().backward()
+        assert xi.grad is not None and lin.weight.grad is not None
+        return lin, y.detach(), xi.grad, lin.weight.grad
+
+    plain, y0, gx0, gw0 = run(False)
+    released, y1, gx1, gw1 = run(True)
+    assert plain.weight.untyped_storage().size() > 0 and released.weight.untyped_storage().size() == 0
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
