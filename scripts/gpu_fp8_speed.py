@@ -251,10 +251,7 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
     layers, --rl-rows x (128 + --rl-response) tokens in micro-batches of --rl-mbt padded tokens, activation
     checkpointing; wall time of compute_logprobs and policy_step, and policy_step's device time by kernel category
     (one step under the CUDA profiler), BF16 vs FP8: where the train phase's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from fp8rl.config import GRPOConfig
-    from fp8rl.train.trainer import TrainerOptions, policy_batch_totals
+    from fp8rl.train.trainer import policy_batch_totals
 
     world, rank, device = torchrun_ranks()
     rows, response = a.rl_rows // world, a.rl_response
@@ -269,53 +266,70 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"rows_per_rank": rows, "ranks": world, "prompt": 128, "response": response,
                            "layers": a.rl_layers, "micro_batch_tokens": a.rl_mbt,
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
-    # a variant: a precision, "-regather" = optim.fp8_gather_once off (FSDP2 gathers FP8 layers every micro-batch)
-    for variant in a.rl_variants.split(","):
-        precision = variant.removesuffix("-regather")
-        torch.cuda.reset_peak_memory_stats()
-        o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
-                           sharding="fsdp" if world > 1 else "replicate",
-                           compile_elementwise=a.compile_elementwise,
-                           fp8_gather_once=not variant.endswith("-regather"))  # fmt: skip
-        trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
-        times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
-        trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
-            torch.cuda.synchronize()
-            profiled_s = time.perf_counter() - t0
-        with profile(activities=[ProfilerActivity.CUDA]) as prof_lp:
-            trainer.compute_logprobs(batch, 1.0)
-            torch.cuda.synchronize()
-        r = {"logprob_s": statistics.median(t[0] for t in times), "train_s": statistics.median(t[1] for t in times),
-             "step_times_s": times, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
-             "logprob_device_ms_by_category": categorize(prof_lp)}  # fmt: skip
-        kernels: list[tuple[str, str, float, int]] = []
-        r["train_device_ms_by_category"] = categorize(prof, kernels)
-        r["train_top_kernels"] = sorted(kernels, key=lambda t: -t[2])[:25]
-        for cat, name, ms, n in r["train_top_kernels"][:14]:
-            say(f"[rlprofile] {variant} {cat:>12} {ms:8.1f} ms {n:6d}x  {name}")
-        r["train_device_ms_total"] = sum(r["train_device_ms_by_category"].values())
-        # the compute stream's idle time in the profiled step: its wall time less the non-NCCL kernels' sum
-        cats = r["train_device_ms_by_category"]
-        r["profiled_train_s"] = profiled_s
-        r["train_idle_s"] = profiled_s - sum(v for k, v in cats.items() if k != "nccl") / 1e3
-        r["logprob_device_ms_total"] = sum(r["logprob_device_ms_by_category"].values())
-        out[variant] = r
-        say(f"[rlprofile] {variant}: idle {r['train_idle_s']:.2f} s of {profiled_s:.2f} s; logprob {r['logprob_s']:.2f} s, train {r['train_s']:.2f} s "
-            f"(device {r['train_device_ms_total']:.0f} ms: "
-            + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["train_device_ms_by_category"].items(), key=lambda t: -t[1]))
-            + f"), peak {r['peak_mem_gb']:.1f} GB")  # fmt: skip
-        del trainer
-        torch.cuda.empty_cache()
+    for variant in a.rl_variants.split(","):  # a precision; "-regather": optim.fp8_gather_once off
+        out[variant] = rlprofile_variant(variant, a, world, device, batch, adv, mask, totals)
     if "bf16" in out and "fp8" in out:
         for k in ("logprob_s", "train_s"):
             out[f"fp8_vs_bf16_{k}"] = out["bf16"][k] / out["fp8"][k]
         say(f"[rlprofile] fp8 vs bf16: logprob {out['fp8_vs_bf16_logprob_s']:.2f}x, "
             f"train {out['fp8_vs_bf16_train_s']:.2f}x")  # fmt: skip
     return out
+
+
+def rlprofile_variant(
+    variant: str,
+    a: argparse.Namespace,
+    world: int,
+    device: str,
+    batch: Any,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    totals: tuple[float, float],
+) -> dict[str, Any]:
+    """One ``section_rlprofile`` variant: its timed phases, then the logprob phase and one profiled policy step (the
+    profiled step's wall time, kernel ms by category and the compute stream's idle time), then a profiled logprob."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp8rl.config import GRPOConfig
+    from fp8rl.train.trainer import TrainerOptions
+
+    precision = variant.removesuffix("-regather")
+    torch.cuda.reset_peak_memory_stats()
+    o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
+                       sharding="fsdp" if world > 1 else "replicate", compile_elementwise=a.compile_elementwise,
+                       fp8_gather_once=not variant.endswith("-regather"))  # fmt: skip
+    trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
+    times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
+    trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
+        torch.cuda.synchronize()
+        profiled_s = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof_lp:
+        trainer.compute_logprobs(batch, 1.0)
+        torch.cuda.synchronize()
+    r = {"logprob_s": statistics.median(t[0] for t in times), "train_s": statistics.median(t[1] for t in times),
+         "step_times_s": times, "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+         "logprob_device_ms_by_category": categorize(prof_lp)}  # fmt: skip
+    kernels: list[tuple[str, str, float, int]] = []
+    cats = r["train_device_ms_by_category"] = categorize(prof, kernels)
+    r["train_top_kernels"] = sorted(kernels, key=lambda t: -t[2])[:25]
+    for cat, name, ms, n in r["train_top_kernels"][:14]:
+        say(f"[rlprofile] {variant} {cat:>12} {ms:8.1f} ms {n:6d}x  {name}")
+    r["train_device_ms_total"] = sum(cats.values())
+    # the compute stream's idle time in the profiled step: its wall time less the non-NCCL kernels' sum
+    r["profiled_train_s"] = profiled_s
+    r["train_idle_s"] = profiled_s - sum(v for k, v in cats.items() if k != "nccl") / 1e3
+    r["logprob_device_ms_total"] = sum(r["logprob_device_ms_by_category"].values())
+    say(f"[rlprofile] {variant}: idle {r['train_idle_s']:.2f} s of {profiled_s:.2f} s; logprob {r['logprob_s']:.2f} s, "
+        f"train {r['train_s']:.2f} s (device {r['train_device_ms_total']:.0f} ms: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cats.items(), key=lambda t: -t[1]))
+        + f"), peak {r['peak_mem_gb']:.1f} GB")  # fmt: skip
+    del trainer
+    torch.cuda.empty_cache()
+    return r
 
 
 def llama8b_weights() -> tuple[dict[str, torch.Tensor], set[str]]:

@@ -22,8 +22,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
+
+from fp8rl.atomic import atomic_write_text
 
 # torch is imported inside the functions: the `fp8rl` command builds its parser from this module
 # and must stay quick to start.
@@ -193,7 +194,7 @@ def sweep_quant_configs(shapes: Sequence[tuple[int, int]], copy_gbs: float) -> d
             {w: measure("tiles+transposed", (w,), 4, transpose=True, warps=w) for w in TILES_CANDIDATES}
         )
     finally:
-        kernels.set_launch(kernels.parse_launch(json.dumps(before)))
+        kernels.set_launch(kernels.launch_from(before))
     return {"rows": rows, "best": best, "default": before}
 
 
@@ -480,13 +481,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _write(dst: Path, text: str) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(dst)
-
-
 def main_with_args(args: argparse.Namespace) -> int:
     import torch
 
@@ -503,9 +497,9 @@ def main_with_args(args: argparse.Namespace) -> int:
         return 2
     result = run(shapes, sweep=args.sweep)
     if args.json:  # the measurements first: a table that fails to print loses nothing
-        _write(Path(args.json), json.dumps(result, indent=2))
+        atomic_write_text(args.json, json.dumps(result, indent=2))
     if args.launch_json:
-        _write(Path(args.launch_json), json.dumps(result["sweep"]["best"]))
+        atomic_write_text(args.launch_json, json.dumps(result["sweep"]["best"]))
     print(format_tables(result))
     return 0
 

@@ -32,7 +32,7 @@ from fp8rl.atomic import atomic_directory, atomic_write_text
 from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe
 from fp8rl.config import RunConfig, load_recipe, parse_run_config
 from fp8rl.errors import UserError
-from fp8rl.quant.kernels import COPIES, TILE_COPIES
+from fp8rl.quant.kernels import COPIES, LAUNCH_ENV, TILE_COPIES, launch_now
 
 
 @dataclass(frozen=True)
@@ -177,16 +177,9 @@ def _part_key(cfg: RunConfig, model_dir: str | Path, bench: StepBench) -> dict[s
         "warmup": bench.warmup, "device": bench.device, "verify_sync": bench.verify_sync,
         # only when on: parts measured before the flag existed still resume
         **({"profile_train": True} if bench.profile_train else {}),
-        **({"quant_launch": _quant_launch()} if os.environ.get("FP8RL_QUANT_LAUNCH") else {}),
+        # the quantization kernels' launch, when set (the trainer workers inherit this process's environment)
+        **({"quant_launch": launch_now()} if os.environ.get(LAUNCH_ENV) else {}),
     }  # fmt: skip
-
-
-def _quant_launch() -> dict[str, object]:
-    """The FP8 quantization kernels' launch configurations this process uses (``FP8RL_QUANT_LAUNCH`` or the
-    defaults); the trainer workers it starts inherit its environment, so theirs."""
-    from fp8rl.quant import kernels
-
-    return kernels.launch_now()
 
 
 def _read_part(path: Path, key: dict[str, Any]) -> ThroughputResult:
@@ -429,8 +422,8 @@ def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResul
     meta: dict[str, Any] = {
         "model": model, "prompts": bench.prompts, "samples": bench.samples, "max_tokens": bench.max_tokens,
         "steps": bench.steps, "warmup": bench.warmup, "recipes": list(bench.recipes), "verify_sync": bench.verify_sync,
-        "profile_train": bench.profile_train, "quant_launch": _quant_launch(),
-        "quant_launch_from_env": bool(os.environ.get("FP8RL_QUANT_LAUNCH")),
+        "profile_train": bench.profile_train, "quant_launch": launch_now(),
+        "quant_launch_from_env": bool(os.environ.get(LAUNCH_ENV)),
         "device_name": results[0].device_name if results else None, "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,

@@ -232,6 +232,11 @@ def parse_launch(text: str, source: str = LAUNCH_ENV) -> dict[str, object]:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: not JSON ({e})") from None
+    return launch_from(raw, source)
+
+
+def launch_from(raw: object, source: str = LAUNCH_ENV) -> dict[str, object]:
+    """``parse_launch`` of already-decoded JSON (``launch_now()``'s form included): what ``set_launch`` takes."""
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     unknown = set(raw) - {"rowwise", "colwise", "tiles_warps"}

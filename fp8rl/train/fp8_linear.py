@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fp8rl.quant import QuantizedTensor, QuantSpec, fp8_gemm, quantize_activation, quantize_weight
 from fp8rl.quant.block_linear import (
@@ -290,8 +291,6 @@ class FP8TrainLinear(nn.Linear):
         """Free the weight's storage (``release_weight``): FSDP2 allocates it again at its next all-gather.
         Only a gathered (plain) weight: a forward that somehow ran on the sharded parameter (a DTensor, the fp32
         master shard) must never lose it."""
-        from torch.distributed.tensor import DTensor
-
         if isinstance(self.weight, DTensor):
             return
         storage = self.weight.untyped_storage()

@@ -6,6 +6,7 @@ without it are ``tests/integration/test_sharded_trainer.py`` (CPU) and ``tests/g
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,10 @@ import torch.distributed as dist
 from fp8rl.config import GRPOConfig
 from fp8rl.quant import QuantSpec
 from fp8rl.train.fp8_linear import FP8TrainLinear
-from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
+from fp8rl.train.trainer import TorchTrainer, TrainerOptions
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+from sharded_trainer_worker import fixed_batch  # the two-rank tests' batch
 
 
 @pytest.fixture
@@ -26,14 +30,6 @@ def one_rank() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _batch() -> tuple:
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 20, (4,), generator=g).tolist() for _ in range(4)]
-    responses = torch.randint(3, 20, (4, 5), generator=g)
-    mask = torch.ones(4, 5)
-    return build_batch(prompts, responses, mask, pad_id=0), torch.randn(4, generator=g), -torch.rand(4, 5), mask
 
 
 @pytest.mark.parametrize("once", [True, False])
@@ -47,7 +43,7 @@ def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path]
     assert trainer._gather_once_units == (layers[1:] if once else [])
     fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
     assert fp8 and all(m.release_weight is once for m in fp8)
-    batch, adv, old, mask = _batch()
+    batch, adv, old, mask = fixed_batch()
     trainer.compute_logprobs(batch, 1.0)
     # after a forward: gathered FP8 weights released (storage empty) and their FP8 copies cached -- only with once
     assert all((m.weight.untyped_storage().size() == 0) is once for m in fp8)

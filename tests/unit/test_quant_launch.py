@@ -73,7 +73,7 @@ def test_set_launch_changes_what_quantize_groups_uses_and_launch_now_reports_it(
         assert kernels.GROUPS_ROWWISE_CONFIG == (16, 2, "") and kernels.GROUPS_COLWISE_CONFIG == (128, 16, "fused")
         assert kernels.launch_now()["colwise"] == [128, 16, "fused"]
     finally:
-        kernels.set_launch(kernels.parse_launch(json.dumps(before)))
+        kernels.set_launch(kernels.launch_from(before))
     assert kernels.launch_now() == before
 
 
