@@ -110,7 +110,21 @@ def aggregate_token_loss(token_loss: Tensor, mask: Tensor, loss_agg: LossAgg) ->
 
 
 def policy_loss(inp: PolicyLossInput, cfg: GRPOConfig) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip policy-gradient loss with optional IS weights and k3 reference KL.
+    """PPO-clip policy-gradient loss with optional IS weights and k3 reference KL; see :func:`policy_loss_stats`
+    (this is it with the metrics read back as floats: one device-to-host copy)."""
+    loss, stats = policy_loss_stats(inp, cfg)
+    return loss, dict(zip(stats, stats_row(stats).tolist(), strict=True))
+
+
+def stats_row(stats: dict[str, Tensor]) -> Tensor:
+    """The 0-d metric tensors of :func:`policy_loss_stats` as one float64 row (in the dict's order), on their
+    device: a caller summing them over micro-batches reads them back once, at the end of its step."""
+    return torch.stack([v.detach().double() for v in stats.values()])
+
+
+def policy_loss_stats(inp: PolicyLossInput, cfg: GRPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip policy-gradient loss with optional IS weights and k3 reference KL, and its metrics as 0-d
+    tensors on the loss's device (no synchronisation with the device: reading them is the caller's choice).
 
     Shapes: see :class:`PolicyLossInput`; returns a scalar loss with grad w.r.t.
     ``inp.logprobs`` and metrics.  Per token, with ratio = exp(lp - lp_old):
@@ -165,5 +179,4 @@ def policy_loss(inp: PolicyLossInput, cfg: GRPOConfig) -> tuple[Tensor, dict[str
             stats["clip_frac_dual"] = masked_mean(((adv < 0) & (ratio > cfg.dual_clip)).to(dtype), valid)
         if kl is not None:
             stats["kl_ref"] = masked_mean(kl, valid)
-        values = torch.stack([v.detach().double() for v in stats.values()]).tolist()
-    return loss, dict(zip(stats, values, strict=True))
+    return loss, {k: v.detach() for k, v in stats.items()}

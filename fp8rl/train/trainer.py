@@ -32,7 +32,8 @@ from fp8rl.models.loading import load_causal_lm
 from fp8rl.models.tiny import pin_tokenizer_class
 from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
-from fp8rl.rl import PolicyLossInput, policy_loss
+from fp8rl.rl import PolicyLossInput
+from fp8rl.rl.loss import policy_loss_stats, stats_row
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
 from fp8rl.train.batches import MicroBatcher, SequenceBatch
 from fp8rl.train.batches import build_batch as build_batch  # re-exported: the trainer's callers build batches
@@ -253,6 +254,14 @@ class TorchTrainer:
         ).logits
 
     # ---- forward -------------------------------------------------------------------------------------
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the trainer's GPU without waiting for the GPU: a plain ``.to(cuda)`` from pageable memory
+        synchronises with the stream, so each micro-batch's inputs would drain the queue the host built ahead;
+        copied through pinned memory (PyTorch's caching host allocator keeps the buffer until the copy ran)."""
+        if self.device.type != "cuda" or t.device.type != "cpu":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def _response_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad).
 
@@ -264,28 +273,28 @@ class TorchTrainer:
         self._tokens[1] += float(b.attention_mask.sum())
         b = self.micro.bucketed(b)
         self._tokens[0] += float(b.input_ids.numel())
-        ids = b.input_ids.to(self.device)
+        ids = self._on_device(b.input_ids)
         with self.graphs.active() if self.graphs is not None else nullcontext():
-            logits = self._logits(ids, b.attention_mask.to(self.device), b.position_ids.to(self.device))
+            logits = self._logits(ids, self._on_device(b.attention_mask), self._on_device(b.position_ids))
         tb = ids.shape[1] - b.prompt_width
         pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :]
         # chunked: no fp32 copy of the whole [n, t, vocab] logits (fp8rl.train.token_logprobs)
         lp = token_logprobs(pred, ids[:, b.prompt_width :], temperature)
-        lp = (lp * b.response_mask.to(self.device))[:n, :t]
+        lp = (lp * self._on_device(b.response_mask))[:n, :t]
         return torch.nn.functional.pad(lp, (0, full_t - t)) if t < full_t else lp
 
     @torch.no_grad()
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         t = batch.response_mask.shape[1]
-        out = [torch.zeros(0, t)]
+        out = [torch.zeros(0, t, device=self.device)]
         for sl in self.micro.slices(batch):
             if sl.stop == 0:  # a sharded rank with fewer micro-batches: its part of the collectives only
                 self._padding_pass(batch, temperature)
                 continue
-            out.append(self._response_logprobs(batch.slice(sl), temperature).cpu())
+            out.append(self._response_logprobs(batch.slice(sl), temperature))
         if self.sharded:  # the root unit stays gathered after a forward with no backward: free it
             self.model.reshard()
-        return torch.cat(out)
+        return torch.cat(out).cpu()  # read back once: a copy per micro-batch would drain the GPU's queue each time
 
     @torch.no_grad()
     def kv_scales(self, batch: SequenceBatch, quantile: float, margin: float) -> tuple[dict[int, KVScales], float]:
@@ -335,8 +344,11 @@ class TorchTrainer:
         if totals is None:
             totals = policy_batch_totals(loss_mask)
         total_tokens, total_seqs = totals
-        sums: dict[str, float] = {}
-        loss_total = 0.0
+        # the metrics are summed on the device and read back once, after the optimizer step: reading a value per
+        # micro-batch would make the host wait for that micro-batch's forward or backward, and the GPU then idles
+        # while the host prepares and launches the next one (what FP8's shorter GEMMs expose)
+        names: list[str] = []
+        sums: torch.Tensor | None = None
         self._tokens = [0.0, 0.0]
         self.step_memory.start()
         for sl in self.micro.slices(batch):
@@ -348,31 +360,31 @@ class TorchTrainer:
             lp = self._response_logprobs(batch.slice(sl), temperature)
             inp = PolicyLossInput(
                 logprobs=lp,
-                old_logprobs=old_logprobs[sl].to(self.device),
-                advantages=advantages[sl].to(self.device),
-                mask=mb_mask.to(self.device),
-                is_weights=None if is_weights is None else is_weights[sl].to(self.device),
+                old_logprobs=self._on_device(old_logprobs[sl]),
+                advantages=self._on_device(advantages[sl]),
+                mask=self._on_device(mb_mask),
+                is_weights=None if is_weights is None else self._on_device(is_weights[sl]),
             )
-            loss, metrics = policy_loss(inp, loss_cfg)
+            loss, stats = policy_loss_stats(inp, loss_cfg)
             if loss_cfg.loss_agg == "token-mean":
                 weight = float(mb_mask.sum()) / total_tokens
             else:
                 weight = float((mb_mask.sum(-1) > 0).sum()) / total_seqs
             (loss * weight).backward()
             self.optimizer.accumulate()
-            loss_total += float(loss.detach()) * weight
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * weight
+            row = stats_row(stats) * weight
+            sums, names = (row if sums is None else sums + row), list(stats)
             # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
             # graph captured in that forward must not find the parameters' gradient nodes of this one alive
-            del lp, inp, loss
+            del lp, inp, loss, stats
         grad_norm = self._optimizer_step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step_count += 1
         computed, valid = self._tokens
+        metrics = dict(zip(names, sums.tolist(), strict=True)) if sums is not None else {"loss": 0.0}
         return {
-            **sums, "loss": loss_total, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
+            **metrics, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
             "tokens_valid": valid, **(self.graphs.stats() if self.graphs is not None else {}),
             **self.step_memory.metrics(),
         }  # fmt: skip
@@ -391,18 +403,18 @@ class TorchTrainer:
             count = count.to(self.device)
             dist.all_reduce(count)
         total = float(count.clamp(min=1))
-        loss_total = 0.0
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)  # read back once (as policy_step)
         for sl in self.micro.slices(batch):
             lp = self._response_logprobs(batch.slice(sl), 1.0) if sl.stop else self._padding_pass(batch, 1.0)
             loss = -(lp.sum()) / total
             loss.backward()
             self.optimizer.accumulate()
-            loss_total += float(loss.detach())
+            loss_total += loss.detach().double()
             del lp, loss  # as in policy_step
         grad_norm = self._optimizer_step()
         self.scheduler.step()
         self.step_count += 1
-        return {"sft_loss": loss_total, "grad_norm": grad_norm}
+        return {"sft_loss": float(loss_total), "grad_norm": grad_norm}
 
     # ---- weights -------------------------------------------------------------------------------------
     def hf_state_dict(self, keep: bool = True) -> dict[str, torch.Tensor]:

@@ -1,0 +1,61 @@
+"""The trainer's step does not wait for the GPU once per micro-batch.
+
+A host read of a device value (``float(t)``, ``.tolist()``, ``.cpu()``) or a copy from pageable host memory
+(``.to("cuda")``) synchronises with the stream: the host waits for everything queued, and the GPU then idles while
+the host prepares and launches the next micro-batch.  With FP8's shorter GEMMs that idle was ~7% of an 8B train step
+(docs/benchmarks.md).  Counted with PyTorch's sync debug mode (one warning per synchronising call): the number of
+synchronisations of a step and of a logprob pass must not grow with the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+
+def _syncs(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Path], precision: str) -> None:
+    from sharded_trainer_worker import fixed_batch
+
+    from fp8rl.config import GRPOConfig
+    from fp8rl.train.trainer import TorchTrainer, TrainerOptions
+
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    batch, adv, old, mask = fixed_batch()
+    counts = {}
+    for micro in (10, 2):  # one micro-batch of the 10 rows, then five
+        trainer = TorchTrainer(
+            tiny_models["small"], TrainerOptions(precision=precision, micro_batch_size=micro), "cuda"
+        )
+        trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)  # warm-up: lazy inits may sync
+        trainer.compute_logprobs(batch, 1.0)
+        step = _syncs(lambda t=trainer: t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0))
+        logprobs = _syncs(lambda t=trainer: t.compute_logprobs(batch, 1.0))
+        counts[micro] = (step, logprobs)
+    assert counts[2] == counts[10], f"synchronisations (step, logprob pass) by micro-batch size: {counts}"
+    assert counts[10][0] > 0  # the mode counts: the step reads its grad norm and metrics back at least once
