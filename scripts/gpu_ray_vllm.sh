@@ -197,14 +197,20 @@ case $step in
         > /dev/null 2>&1 < /dev/null &
       echo $! > $RES/job.pid
     fi
-    t0=$(date +%s); seen=0
+    # at most 8 files come back: the log, and everything in one archive; refreshed every 30 s, so that a call cut
+    # short (the session's device time running out under it) still brings back what the job wrote so far
+    collect() {
+      mkdir -p "$OUT"; cp -f $RES/ray_vllm.log "$OUT/" 2>/dev/null
+      (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' | tar -czf "$OUT/results.tar.gz.tmp" -T -) \
+        && mv -f "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+    }
+    t0=$(date +%s); seen=0; last=$t0
     while [ ! -e $RES/done ] && [ $(( $(date +%s) - t0 )) -lt ${WAIT_S:-540} ]; do
       sleep 5; n=$(wc -l < $RES/ray_vllm.log 2>/dev/null || echo 0)
       [ "$n" -gt "$seen" ] && { sed -n "$((seen + 1)),${n}p" $RES/ray_vllm.log | grep -v "Warning\|warn(" | cut -c1-250; seen=$n; }
+      [ $(( $(date +%s) - last )) -ge 30 ] && { collect; last=$(date +%s); }
     done
-    # at most 8 files come back: the log, and everything in one archive
-    mkdir -p "$OUT"; cp -f $RES/ray_vllm.log "$OUT/" 2>/dev/null
-    (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' | tar -czf "$OUT/results.tar.gz" -T -)
+    collect
     [ -e $RES/done ] && echo "RUN DONE: $(tail -n 1 $RES/ray_vllm.log)" || echo "RUN STILL GOING: poll"
     ;;
   *) echo "unknown step $step"; exit 2;;
