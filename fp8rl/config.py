@@ -351,6 +351,11 @@ class RolloutConfig(_Strict):
     # the weights for the rollout anyway (rollout_recipe). BF16 rollouts ignore it, so one config serves a
     # comparison of bf16 and FP8 recipes
     fp8_scaling: Literal["recipe", "channel"] = "recipe"
+    # vllm on Ray: one engine split over this many rollout workers (tensor parallelism, one GPU each, vLLM's
+    # external_launcher: every worker of a group runs the same requests and holds 1/size of each weight matrix and of
+    # the KV heads; for a model one GPU cannot hold with its KV cache). ray.rollout_workers must be a multiple of it
+    # (rollout_workers / size engines share the prompts); a group's workers should sit on one node
+    tensor_parallel_size: int = Field(1, ge=1)
 
 
 class RunConfig(_Strict):
@@ -391,6 +396,17 @@ class RunConfig(_Strict):
             raise ValueError(
                 "ray.trainer_sharding 'fsdp' shards the torch trainer only (recipe.trainer 'torch') until the "
                 "TransformerEngine trainer has run sharded on a GPU; it runs replicated"
+            )
+        tp = self.rollout.tensor_parallel_size
+        if tp > 1 and (self.rollout.engine != "vllm" or self.ray is None):
+            raise ValueError(
+                f"rollout.tensor_parallel_size {tp} splits a vLLM engine over Ray rollout workers: it needs "
+                "rollout.engine 'vllm' and a ray section (the one-process loop and the torch engine run one device)"
+            )
+        if self.ray is not None and self.ray.rollout_workers % tp:
+            raise ValueError(
+                f"ray.rollout_workers ({self.ray.rollout_workers}) must be a multiple of rollout.tensor_parallel_size "
+                f"({tp}): each engine takes that many workers"
             )
         served = rollout_recipe(self.recipe, self.rollout)
         problem = vllm_recipe_problem(served) if self.rollout.engine == "vllm" else None

@@ -42,6 +42,7 @@
 #                                                        (fp8-row-kv,bf16) on GPU 1 at once, the bench's checkpoint; kvbudget (not
 #                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
 #                                                        the whole batch, then on 16k tokens of it
+#   bash scripts/gpu_ray_vllm.sh te-part .carry/te      after the parts: TransformerEngine too (x2's te part)
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
 #                                                        at once: the machine goes back 30 s after a call ends, and
 #                                                        the job (and the vLLM setup in /tmp) with it
@@ -77,6 +78,11 @@ case $step in
       mkdir -p .carry/rv$k && mv "$p" .carry/rv$k/ && echo "$sha $n" > .carry/rv$k/manifest.txt; k=$((k + 1))
     done
     rm -rf "$W"; du -sb .carry/rv*; echo "send .carry/rv1 .. .carry/rv$n with 'part', back to back"
+    ;;
+  te-part)  # on the GPU machine, after the parts: TransformerEngine (../shared/device/te/pack.sh's .carry/te; with
+    # SKIP_EXT=1 it carries the torch extension's sdist, which device_setup.sh builds there in the background, ~2 min)
+    # into /tmp/site beside vLLM and Ray; x2's te part waits for that build
+    bash "$arg"/device_setup.sh "$arg" || exit 2
     ;;
   part)  # on the GPU machine
     mkdir -p /tmp/parts; cp "$arg"/part.* /tmp/parts/ || exit 2
@@ -136,6 +142,17 @@ case $step in
                    $([ "${TESTS_RAY:-}" = none ] || echo "python3 -m pytest -q -rA -p no:cacheprovider \
                    ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} > $RES/pytest_x2.log 2>&1;") grep -h '^step \|sharded\|moments\|passed\|failed' \
                    $RES/pytest_x2_trainer.log $RES/pytest_x2_extra.log $RES/pytest_x2.log 2>/dev/null | cut -c1-240";;
+          # te (not in the default; after te-part): the TE trainer sharded over both GPUs (the config refuses
+          # ray.trainer_sharding fsdp with recipe.trainer te until this passes); cuDNN of torch's wheel first (TE's
+          # README: the image's older one in /usr/lib otherwise wins)
+          te) sp=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+                 W=transformer_engine/wheel_lib
+                 job="$job; echo PART te; if [ ! -e /tmp/site/$W/transformer_engine_torch*.so ]; then \
+                   while [ -e /tmp/build_te.pid ] && ! grep -q BUILD_SECONDS /tmp/build_te.log; do sleep 5; done; \
+                   tail -n 1 /tmp/build_te.log; cp /tmp/site_dev/$W/transformer_engine_torch*.so /tmp/site/$W/; \
+                   cp -r /tmp/site_dev/transformer_engine_torch-*.dist-info /tmp/site/; fi; CUDNN_HOME=$sp/nvidia/cudnn LD_LIBRARY_PATH=$sp/nvidia/cudnn/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} \
+                   python3 -m pytest -q -rA -p no:cacheprovider "tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8]" \
+                   > $RES/pytest_te.log 2>&1; grep -h 'passed\|failed\|Error' $RES/pytest_te.log | cut -c1-240 | tail -n 12";;
           split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
                    "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
           overhead) A="${ARGS:---variants bf16,fp8-kv --modes fp8rl,neither --long-tokens 0 --profile-tokens 0}"

@@ -172,7 +172,9 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     fp8_names = calls.get(rollouts[0].fp8_weight_names.remote(), "rollout-0")
     pad = calls.get(rollouts[0].pad_token_id.remote(), "rollout-0")
     bf16_bytes = calls.get(trainers[0].bf16_bytes.remote(), "trainer-0")
-    engine = RolloutGroup(rollouts, calls, rc.layout == "colocated", pad, 0, r_names)
+    engine = RolloutGroup(
+        rollouts, calls, rc.layout == "colocated", pad, 0, r_names, tp=cfg.rollout.tensor_parallel_size
+    )
     engine.sleep()
     trainer = TrainerGroup(trainers, calls, names_of("trainer", rc.trainer_workers), rc.trainer_sharding == "fsdp")
     if not rc.sleep_after_sync:  # the trainer state's gather (a checkpoint) runs with the engines asleep
@@ -183,7 +185,8 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     where_state = ", AdamW state in host memory between steps" if mem["optimizer_state_offloaded"] else ""
     log(
         f"ray: {rc.trainer_workers} trainer worker(s), {rc.rollout_workers} rollout worker(s), layout {rc.layout}, "
-        f"device {where.device}, sync {rc.sync}, trainer sharding {rc.trainer_sharding} "
+        f"device {where.device}, sync {rc.sync}, trainer sharding {rc.trainer_sharding}"
+        f"{f', rollout tensor parallel {tp}' if (tp := cfg.rollout.tensor_parallel_size) > 1 else ''} "
         f"(rank 0 holds {held_mb:.1f} MB of weights, fp32 masters and AdamW state{where_state})"
     )
     return RayParts(

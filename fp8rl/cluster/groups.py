@@ -85,6 +85,21 @@ def _cat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
+def _engine_answers(answers: list[Rollout], tp: int, names: list[str]) -> list[Rollout]:
+    """One rollout per engine from its ``tp`` workers' answers, which must agree token for token (they sampled the
+    same logits with the same seeds; a difference means the ranks fell out of step)."""
+    out = []
+    for g in range(0, len(answers), tp):
+        first = answers[g]
+        for other, name in zip(answers[g + 1 : g + tp], names[g + 1 : g + tp], strict=True):
+            if not torch.equal(other.response_ids, first.response_ids):
+                raise WorkerError(
+                    f"{name} sampled other tokens than {names[g]}, the first worker of its tensor-parallel engine"
+                )
+        out.append(first)
+    return out
+
+
 @dataclass
 class RolloutGroup:
     """The rollout workers behind the ``RolloutEngine`` methods the loop uses."""
@@ -97,18 +112,25 @@ class RolloutGroup:
     names: list[str] = field(default_factory=list)
     # colocated vLLM engines: the device memory their last sleep freed, summed over the workers
     sleep_freed_bytes: int | None = None
+    # rollout.tensor_parallel_size: consecutive workers in groups of tp are one engine
+    tp: int = 1
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
         self.wake_up()
-        chunks = _row_chunks(len(prompt_ids), len(self.actors))
-        refs = []
-        for i, (actor, rows) in enumerate(zip(self.actors, chunks, strict=False)):
-            # each worker samples its chunk with a seed of its own, fixed by the chunk's position
+        engines = len(self.actors) // self.tp
+        chunks = _row_chunks(len(prompt_ids), engines)
+        refs, names = [], []
+        for i, rows in enumerate(chunks):
+            # each engine samples its chunk with a seed of its own, fixed by the chunk's position; every worker of a
+            # tensor-parallel engine runs the same requests (vLLM's external_launcher: they step in lockstep)
             params = SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + 7919 * i})
-            refs.append(actor.generate.remote(prompt_ids[rows], params))
-        rollouts = self.calls.get(refs, [f"{n}.generate" for n in self.names[: len(refs)]])
+            for j in range(i * self.tp, (i + 1) * self.tp):
+                actor, name = self.actors[j], self.names[j] if j < len(self.names) else f"rollout-{j}"
+                refs.append(actor.generate.remote(prompt_ids[rows], params))
+                names.append(name)
+        answers = self.calls.get(refs, [f"{n}.generate" for n in names])
         self.sleep()
-        return _cat_rollouts(rollouts, self.pad_token_id)
+        return _cat_rollouts(_engine_answers(answers, self.tp, names), self.pad_token_id)
 
     def wake_up(self) -> None:
         """Colocated engines take their device memory back (generation, weight loads); no-op when split."""

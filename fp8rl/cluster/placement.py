@@ -94,8 +94,17 @@ def start_actors(
             # vLLM sizes its KV cache from the free memory it measures while it starts: the trainers on its
             # GPU have placed their weights first, so that measure does not move under it
             calls.get(trainers_ready, names_of("trainer", n))
+        # tensor parallelism: workers tp*g .. tp*g+tp-1 are one engine, meeting at an address on its first worker's node
+        tp = cfg.rollout.tensor_parallel_size
+        meet = [
+            calls.get(ray.remote(node_address).options(**where.options("rollout", g * tp, actor=False)).remote(),
+                      f"rollout-{g * tp} address") if tp > 1 else None
+            for g in range(rc.rollout_workers // tp)
+        ]  # fmt: skip
         rollouts = [
-            rollout_cls.options(**where.options("rollout", i)).remote(cfg_data, model, device, threads)
+            rollout_cls.options(**where.options("rollout", i)).remote(
+                cfg_data, model, device, threads, i % tp, meet[i // tp]
+            )
             for i in range(rc.rollout_workers)
         ]
         calls.get(trainers_ready, names_of("trainer", n))

@@ -292,10 +292,29 @@ class TrainerWorker(_PeakMemory):
 class RolloutWorker(_PeakMemory):
     """One rollout engine; generation for its share of the prompts."""
 
-    def __init__(self, cfg_data: dict[str, Any], model_dir: str, device: str = "cpu", num_threads: int = 0) -> None:
+    def __init__(
+        self,
+        cfg_data: dict[str, Any],
+        model_dir: str,
+        device: str = "cpu",
+        num_threads: int = 0,
+        tp_rank: int = 0,
+        tp_address: tuple[str, int] | None = None,
+    ) -> None:
         _set_threads(num_threads)
         self.cfg = parse_run_config(cfg_data, "rollout worker config")
         self._start_sampler(torch.device(device))
+        tp = self.cfg.rollout.tensor_parallel_size
+        if tp > 1:  # rank tp_rank of a tensor-parallel engine: what vLLM's external_launcher reads (torchrun's names)
+            if tp_address is None:
+                raise ValueError("a tensor-parallel rollout worker needs its group's rendezvous address")
+            os.environ.update({
+                "RANK": str(tp_rank), "WORLD_SIZE": str(tp), "LOCAL_RANK": "0",  # Ray shows each actor its GPU as 0
+                "MASTER_ADDR": tp_address[0], "MASTER_PORT": str(tp_address[1]),
+                # vLLM's torch symmetric-memory all-reduce (on by default) maps peer memory and may use NVLink
+                # multicast; NCCL's all-reduce needs neither
+                "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+            })  # fmt: skip
         self.engine = build_engine(self.cfg, model_dir, device)
 
     def fp8_weight_names(self) -> list[str]:

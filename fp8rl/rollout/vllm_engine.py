@@ -44,11 +44,14 @@ from fp8rl.rollout.vllm_weights import (
     Weights,
     fp8_module_names_from_config,
     fused_layout,
+    order_by_fused_module,
     partial_tile_note,
     per_channel_layout_problem,
     reload_items,
     row_major,
     serving_checkpoint,
+    tp_layout_problem,
+    tp_shard,
     unfuse_params,
 )
 
@@ -87,6 +90,15 @@ def vllm_engine_kwargs(
     }
     if rollout.max_model_len is not None:
         kwargs["max_model_len"] = rollout.max_model_len
+    if rollout.tensor_parallel_size > 1:
+        # one engine per process, the processes launched by fp8rl (Ray actors) with RANK, LOCAL_RANK, WORLD_SIZE,
+        # MASTER_ADDR/PORT set (fp8rl.cluster.workers); each runs the same requests in lockstep.  vLLM's custom
+        # all-reduce maps its peers' memory by device index, which a Ray actor's one-GPU view does not give it
+        kwargs |= {
+            "tensor_parallel_size": rollout.tensor_parallel_size,
+            "distributed_executor_backend": "external_launcher",
+            "disable_custom_all_reduce": True,
+        }
     return kwargs
 
 
@@ -143,7 +155,14 @@ class VLLMRolloutEngine:
         if self.partial_tile_note:
             print(f"[{recipe.name}] {self.partial_tile_note}", file=sys.stderr, flush=True)
         self._fp8 = {m + ".weight" for m in self.fp8_modules}
-        self.layout = fused_layout(self.model_config)
+        self.tp = self.rollout.tensor_parallel_size
+        problem = tp_layout_problem(
+            self.model_config, self.tp, recipe.rollout_precision == "fp8" and self.spec.granularity == "block"
+        )
+        if problem:
+            raise UserError(problem)
+        self.tp_rank = int(os.environ.get("RANK", "0")) if self.tp > 1 else 0  # the launcher's (external_launcher)
+        self.layout = fused_layout(self.model_config, self.tp)
         tokens = special_tokens(self.checkpoint)  # config, generation config and tokenizer agree on the stops
         self.stop_token_ids = list(tokens.stop_ids)
         self.eos_token_id, self.pad_token_id = tokens.eos_id, tokens.pad_id
@@ -199,7 +218,15 @@ class VLLMRolloutEngine:
     # ---- weights -------------------------------------------------------------------------------------
     def held_weights(self) -> Weights:
         """What vLLM holds now, under HF names (views of its parameters)."""
-        return unfuse_params(self._params(), self.layout, int(self.model_config["vocab_size"]))
+        return unfuse_params(self._params(), self.layout, int(self.model_config["vocab_size"]), self.tp_rank)
+
+    def expected_shard(self, name: str, value: torch.Tensor | QuantizedTensor) -> torch.Tensor | QuantizedTensor:
+        """What this engine holds of the full weight ``name`` once ``value`` is loaded: ``value`` itself, or with
+        tensor parallelism this rank's part of it (``tp_shard``), for the bit-exact check."""
+        if self.tp == 1:
+            return value
+        padded = self._model.get_parameter("model.embed_tokens.weight").shape[0] * self.tp
+        return tp_shard(name, value, self.tp_rank, self.tp, padded)
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor | QuantizedTensor], version: int) -> None:
@@ -222,6 +249,12 @@ class VLLMRolloutEngine:
                     "the sync must requantize with the rollout's scaling (rollout.fp8_scaling)"
                 )
             payload[name] = value
+        if self.tp > 1:
+            _, missing = order_by_fused_module(payload, self.layout)
+            if missing:  # what is held is this rank's part: it cannot stand in for the full weight vLLM splits
+                raise ValueError(
+                    f"a tensor-parallel engine reloads fused modules whole; the payload lacks {sorted(missing.items())[0]}"
+                )
         items = reload_items(payload, known, self.layout)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         if not self.llm.reset_prefix_cache():

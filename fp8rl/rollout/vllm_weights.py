@@ -211,10 +211,12 @@ class FusedSlice:
     rows: int
 
 
-def fused_layout(model_config: Mapping[str, Any]) -> dict[str, FusedSlice]:
-    """HF module name -> its rows in vLLM's ``qkv_proj`` / ``gate_up_proj`` (q, k, v; gate, up)."""
+def fused_layout(model_config: Mapping[str, Any], tp: int = 1) -> dict[str, FusedSlice]:
+    """HF module name -> its rows in vLLM's ``qkv_proj`` / ``gate_up_proj`` (q, k, v; gate, up); with tensor
+    parallelism, in one rank's part of them (each part's rows divided by ``tp``: ``tp_layout_problem``)."""
     d = model_dims(model_config)
-    sizes = {"self_attn.qkv_proj": (d["q"], d["kv"], d["kv"]), "mlp.gate_up_proj": (d["inter"], d["inter"])}
+    q, kv, inter = d["q"] // tp, d["kv"] // tp, d["inter"] // tp
+    sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (inter, inter)}
     out = {}
     for i in range(d["layers"]):
         for fused, parts in FUSED_MODULES.items():
@@ -272,12 +274,16 @@ def per_channel_layout_problem(params: Mapping[str, torch.Tensor]) -> str | None
     return None
 
 
-def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, FusedSlice], vocab_size: int) -> Weights:
+def unfuse_params(
+    params: Mapping[str, torch.Tensor], layout: Mapping[str, FusedSlice], vocab_size: int, tp_rank: int = 0
+) -> Weights:
     """vLLM's parameters -> HF names; FP8 weights with their scales as ``QuantizedTensor``: block scaling's
     ``weight_scale_inv`` tiles, or per-channel ``weight_scale`` rows (as ``[out, 1]``).
 
     Returns views of ``params`` (no copies), FP8 weights as [out, in] (``row_major``).  Vocabulary rows vLLM
-    pads are cut to ``vocab_size``.
+    pads are cut to ``vocab_size``.  With tensor parallelism (``layout`` of ``fused_layout(..., tp)``), rank
+    ``tp_rank``'s parts: what ``tp_shard`` cuts from the full weights (its vocabulary rows are the
+    ``tp_rank``-th block of the padded vocabulary, of which those below ``vocab_size`` are kept).
     """
     by_target = parts_by_target(layout)
     flat: dict[str, torch.Tensor] = {}
@@ -288,7 +294,7 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
             for hf_module, s in by_target[module]:
                 flat[f"{hf_module}.{suffix}"] = _rows(tensor, suffix, s)
         else:
-            flat[name] = tensor[:vocab_size] if name in VOCAB_PARAMS else tensor
+            flat[name] = tensor[: _vocab_rows(vocab_size, tensor.shape[0], tp_rank)] if name in VOCAB_PARAMS else tensor
     out: Weights = {}
     for name, tensor in flat.items():
         module, suffix = split_param(name)
@@ -296,6 +302,11 @@ def unfuse_params(params: Mapping[str, torch.Tensor], layout: Mapping[str, Fused
             continue
         out[name] = _quantized(name, tensor, flat) if suffix == "weight" and tensor.dtype == E4M3.dtype else tensor
     return out
+
+
+def _vocab_rows(vocab_size: int, local_rows: int, tp_rank: int) -> int:
+    """How many of a rank's ``local_rows`` (a block of vLLM's padded vocabulary) are real vocabulary rows."""
+    return max(0, min(vocab_size - tp_rank * local_rows, local_rows))
 
 
 def _quantized(name: str, data: torch.Tensor, flat: Mapping[str, torch.Tensor]) -> QuantizedTensor:
@@ -377,3 +388,73 @@ def reload_items(
             )
     names, _ = order_by_fused_module(full, layout)
     return checkpoint_items({n: full[n] for n in names})
+
+
+# ---- tensor parallelism: one rank's part of each HF weight (pure) --------------------------------------
+# vLLM splits these along their rows (the output: q/k/v and gate/up, column-parallel) or their columns (the input:
+# o_proj and down_proj, row-parallel); the vocabulary rows of the embedding and lm_head in blocks of its padded
+# vocabulary; norms (and a row-parallel bias, added after the all-reduce) are whole on every rank
+COLUMN_PARALLEL = tuple(part for parts in FUSED_MODULES.values() for part in parts)
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def tp_layout_problem(model_config: Mapping[str, Any], tp: int, block_fp8: bool) -> str | None:
+    """Why vLLM cannot split this model ``tp`` ways the way ``tp_shard`` reads it back, or None: the attention and
+    KV heads and the MLP width divide by ``tp`` (KV heads replicated over ranks are not supported), and under block
+    FP8 each rank's part of every linear holds whole 128x128 tiles."""
+    if tp == 1:
+        return None
+    d = model_dims(model_config)
+    heads = int(model_config["num_attention_heads"])
+    kv_heads = int(model_config.get("num_key_value_heads") or heads)
+    for what, n in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", d["inter"]),
+    ):
+        if n % tp:
+            return f"rollout.tensor_parallel_size {tp} does not divide the model's {what} ({n})"
+    if block_fp8:
+        for what, n in (("q", d["q"]), ("k/v", d["kv"]), ("intermediate", d["inter"]), ("hidden", d["hidden"])):
+            if (n // tp) % FP8_BLOCK[0]:
+                return (
+                    f"rollout.tensor_parallel_size {tp}: each rank would hold {n // tp} {what} rows or columns, not "
+                    f"whole {FP8_BLOCK[0]}-wide block-FP8 tiles (use rollout.fp8_scaling 'channel' or a smaller size)"
+                )
+    return None
+
+
+def _part(t: torch.Tensor, dim: int, rank: int, tp: int, unit: int = 1) -> torch.Tensor:
+    """The ``rank``-th of ``tp`` equal parts of ``t`` along ``dim`` (``unit``: the rows or columns one element of
+    ``t`` stands for -- 128 for a block-FP8 scale grid)."""
+    size = t.shape[dim] * unit // tp
+    return t.narrow(dim, rank * size // unit, -(-size // unit))
+
+
+def tp_shard(
+    name: str, value: torch.Tensor | QuantizedTensor, rank: int, tp: int, vocab_padded: int = 0
+) -> torch.Tensor | QuantizedTensor:
+    """What rank ``rank`` of a ``tp``-way vLLM engine holds of the HF weight ``name`` (full ``value``), as
+    ``unfuse_params`` reads it back: rows of a column-parallel linear (with their scales), columns of a row-parallel
+    one (block scales split by tile column; per-channel scales, one per output row, whole), the rank's block of the
+    ``vocab_padded`` vocabulary rows (cut to the real ones), everything else whole."""
+    if tp == 1:
+        return value
+    module, _ = split_param(name)
+    dim = 0 if module.endswith(COLUMN_PARALLEL) else 1 if module.endswith(ROW_PARALLEL) else None
+    if isinstance(value, QuantizedTensor):
+        if dim is None:
+            raise ValueError(f"{name}: an FP8 weight that is not a decoder linear (vLLM splits only those)")
+        data = _part(value.data, dim, rank, tp)
+        if value.granularity == "block":
+            scale = _part(value.scale_inv, dim, rank, tp, FP8_BLOCK[dim])
+        else:  # per-channel [out, 1]: split with the rows, whole with the columns
+            scale = _part(value.scale_inv, 0, rank, tp) if dim == 0 else value.scale_inv
+        return dataclasses.replace(value, data=data, scale_inv=scale)
+    if name in VOCAB_PARAMS:
+        per = vocab_padded // tp
+        start, stop = rank * per, min((rank + 1) * per, value.shape[0])
+        return value[start : max(start, stop)]
+    if dim is None or (dim == 1 and value.dim() == 1):  # whole: norms, a row-parallel bias
+        return value
+    return _part(value, dim, rank, tp)

@@ -70,7 +70,10 @@ def verify_engine_weights(engine: RolloutEngine, expected: Payload, version: int
     if engine.policy_version != version:
         raise SyncVerificationError(f"engine serves policy version {engine.policy_version}, expected {version}")
     held = engine.held_weights()
+    shard = getattr(engine, "expected_shard", None)  # a tensor-parallel engine holds its part of each weight
     for name, want in expected.items():
+        if shard is not None:
+            want = shard(name, want)
         got = held.get(name)
         if got is None:
             raise SyncVerificationError(f"engine holds no weight {name!r}")

@@ -10,7 +10,9 @@ mismatch fails the step), on the small tiny model with eager engines:
   the sync to the generation (``ray.sleep_after_sync: false``; this last part added after its 2x H100 run);
 - per-channel FP8 rollout weights under block FP8 training (``rollout.fp8_scaling: channel``), colocated on one
   GPU and beside each FSDP2 rank: the trainer requantizes per channel, the engine verifies what vLLM holds
-  (transposed for its GEMM) bit for bit.
+  (transposed for its GEMM) bit for bit;
+- one vLLM engine split over the two GPUs (``rollout.tensor_parallel_size: 2``) beside the FSDP2 ranks, with the FP8
+  KV cache: both workers run the same requests, each loads the full weights and verifies its half.
 
 The two-GPU cases skip on one GPU."""
 
@@ -43,6 +45,9 @@ CASES: dict[str, tuple[dict[str, Any], str, int, dict[str, Any]]] = {
     ),
     "colocated-ipc-channel": ({"layout": "colocated", "sync": "ipc"}, "fp8-e2e", 1, {}),
     "fsdp2-channel": ({**FSDP2, "rollout_workers": 2, "sleep_after_sync": False}, "fp8-e2e", 2, {}),
+    # one engine over both GPUs (rollout.tensor_parallel_size 2, vLLM's external_launcher): each rank verifies its
+    # half of every weight; per-channel FP8 (this model's k/v halves are not whole 128-row tiles) and FP8 KV
+    "fsdp2-tp2-channel": ({**FSDP2, "rollout_workers": 2, "sleep_after_sync": False}, "fp8-e2e-kv", 2, {}),
 }
 
 
@@ -72,7 +77,8 @@ def test_vllm_on_ray_workers_with_every_sync_verified(
         "recipe": recipe, "steps": 2, "eval_every": 2, "eval_examples": 16, "eval_samples": 0,
         "grpo": {"prompts_per_step": 8, "group_size": 4}, "verify_sync": True, "work_dir": str(tmp_path),
         "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.2, "enforce_eager": True, "max_model_len": 512,
-                    "fp8_scaling": "channel" if case.endswith("-channel") else "recipe"},
+                    "fp8_scaling": "channel" if case.endswith("-channel") else "recipe",
+                    "tensor_parallel_size": 2 if "-tp2" in case else 1},
         "ray": ray_cfg, "optim": optim,
     })  # fmt: skip
     lines: list[str] = []
@@ -81,6 +87,7 @@ def test_vllm_on_ray_workers_with_every_sync_verified(
     assert f"layout {ray_cfg['layout']}" in layout and f"sync {ray_cfg['sync']}" in layout
     assert f"trainer sharding {ray_cfg.get('trainer_sharding', 'replicate')}" in layout
     assert f"{ray_cfg.get('rollout_workers', 1)} rollout worker(s)" in layout
+    assert ("rollout tensor parallel 2" in layout) == ("-tp2" in case)
     assert [h["sync/policy_version"] for h in res.history] == [1.0, 2.0]
     for h in res.history:
         assert 0 < h["sync/bytes_vs_bf16"] < 1  # FP8 linears on the wire
