@@ -130,12 +130,17 @@ class TETrainer(TorchTrainer):
         self.te_modules = names
         return names if fp8 else []
 
-    def _logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _logits(
+        self, ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         if self.te_recipe is None:
             return super()._logits(ids, attention_mask, position_ids)
         width = ids.shape[1]
         pad = -width % TOKEN_ALIGN
         if pad:
+            if attention_mask is None or position_ids is None:  # no padding until these columns
+                attention_mask = torch.ones_like(ids)
+                position_ids = torch.arange(width, device=ids.device).expand_as(ids)
             ids = F.pad(ids, (0, pad), value=self.pad_token_id)
             attention_mask = F.pad(attention_mask, (0, pad), value=0)
             position_ids = F.pad(position_ids, (0, pad), value=0)

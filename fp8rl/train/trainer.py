@@ -80,6 +80,15 @@ class TrainerOptions:
     cuda_graph_shapes: int = 2  # captured shapes kept (each holds one micro-batch's activations and gradients)
 
 
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[n, L]`` padding mask (1: a token) -> the ``[n, 1, L, L]`` boolean mask (True: attend) HF's SDPA path builds
+    from it for torch >= 2.5 (``transformers.masking_utils.sdpa_mask``: key <= query and the key a token), made on the
+    mask's device without reading it back."""
+    length = attention_mask.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
+
 class TorchTrainer:
     def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
         if opts.precision not in ("bf16", "fp8"):
@@ -96,6 +105,7 @@ class TorchTrainer:
         self.model.train()
         self.device = torch.device(device)
         self.opts = opts
+        self._sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
         self.fp8_modules: list[str] = self._convert_linears()
         self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
         self.graphs = self._layer_graphs() if opts.cuda_graphs else None
@@ -245,13 +255,28 @@ class TorchTrainer:
                 m.cache_until_changed = self.sharded
         return names
 
-    def _logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _logits(
+        self, ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         """The model's logits ``[n, L, V]`` for ``ids [n, L]`` under training numerics (grad as the caller's).
 
-        No KV cache: HF would otherwise build one (``config.use_cache``) that no training forward reads."""
+        ``attention_mask`` ``[n, L]`` (1: a token) or None for none padded, with ``position_ids`` None then.  No KV
+        cache: HF would otherwise build one (``config.use_cache``) that no training forward reads.  Under SDPA the
+        padding mask goes in as the 4-D boolean causal mask HF would make of it (``causal_padding_mask``): HF's own
+        mask preparation reads the mask back (is there padding?), a synchronisation with the GPU per forward."""
+        if attention_mask is not None and attention_mask.dim() == 2 and self._sdpa:
+            attention_mask = causal_padding_mask(attention_mask)
         return self.model(
             input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
+
+    def _model_inputs(self, b: SequenceBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention mask, position ids) of a micro-batch for ``_logits``, on the device: both None where no token is
+        padding (decided on the host: SDPA then runs causal without a mask, as HF would pick)."""
+        n, length = b.attention_mask.shape
+        if bool(b.attention_mask.all()) and torch.equal(b.position_ids, torch.arange(length).expand(n, length)):
+            return None, None
+        return self._on_device(b.attention_mask), self._on_device(b.position_ids)
 
     # ---- forward -------------------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -275,7 +300,7 @@ class TorchTrainer:
         self._tokens[0] += float(b.input_ids.numel())
         ids = self._on_device(b.input_ids)
         with self.graphs.active() if self.graphs is not None else nullcontext():
-            logits = self._logits(ids, self._on_device(b.attention_mask), self._on_device(b.position_ids))
+            logits = self._logits(ids, *self._model_inputs(b))
         tb = ids.shape[1] - b.prompt_width
         pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :]
         # chunked: no fp32 copy of the whole [n, t, vocab] logits (fp8rl.train.token_logprobs)
