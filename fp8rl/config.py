@@ -403,6 +403,12 @@ class RunConfig(_Strict):
                 f"rollout.tensor_parallel_size {tp} splits a vLLM engine over Ray rollout workers: it needs "
                 "rollout.engine 'vllm' and a ray section (the one-process loop and the torch engine run one device)"
             )
+        if tp > 1 and self.ray is not None and self.ray.sync == "collective":
+            raise ValueError(
+                f"rollout.tensor_parallel_size {tp} needs ray.sync 'ipc' or 'objectstore': the bucketed broadcast "
+                "('collective') may cut a fused module between buckets and checks full shapes, where each rank of a "
+                "tensor-parallel engine holds its part"
+            )
         if self.ray is not None and self.ray.rollout_workers % tp:
             raise ValueError(
                 f"ray.rollout_workers ({self.ray.rollout_workers}) must be a multiple of rollout.tensor_parallel_size "

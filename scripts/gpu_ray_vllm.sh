@@ -218,7 +218,9 @@ case $step in
     # short (the session's device time running out under it) still brings back what the job wrote so far
     collect() {
       mkdir -p "$OUT"; cp -f $RES/ray_vllm.log "$OUT/" 2>/dev/null
-      (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' | tar -czf "$OUT/results.tar.gz.tmp" -T -) \
+      # a log still growing makes tar exit 1 ("file changed as we read it"): what it read is still an archive
+      (cd $RES && find . -name '*.json' -o -name '*.md' -o -name '*.log' \
+        | tar --warning=no-file-changed -czf "$OUT/results.tar.gz.tmp" -T -); [ $? -le 1 ] \
         && mv -f "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
     }
     t0=$(date +%s); seen=0; last=$t0
@@ -229,7 +231,8 @@ case $step in
       # a hand-off for a call that cannot change its command (poll only): gpu_after.sh in the project root (untracked,
       # never committed) names on its first line ("# path") a file under the results; once it exists the job is
       # stopped, its processes (Ray's too) killed, and the script runs here, its output in after.log
-      if [ "$step" = poll ] && [ -e gpu_after.sh ] && [ -e "$RES/$(head -n 1 gpu_after.sh | sed 's/^# *//')" ]; then
+      after=$([ -e gpu_after.sh ] && head -n 1 gpu_after.sh | sed -n 's/^# *\([^ !].*\)$/\1/p')
+      if [ "$step" = poll ] && [ -n "$after" ] && [ -f "$RES/$after" ]; then
         kill -9 -- -"$(cat $RES/job.pid)" 2>/dev/null; sleep 2
         pkill -9 -f 'raylet|gcs_server|ray::|default_worker.py|python3 -m fp8rl' 2>/dev/null; sleep 5
         echo "job stopped for gpu_after.sh"; nvidia-smi --query-gpu=memory.used --format=csv,noheader

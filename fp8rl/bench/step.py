@@ -370,7 +370,18 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
             means.append(f"- {r.recipe}: " + ", ".join(each))
     if means:
         lines += ["", "Kernel launches of that step by category, and the mean kernel:", "", *means]
+    gaps = [_gap_line(r) for r in profiled if r.train_gap_ms]
+    if gaps:
+        lines += ["", "The compute stream's idle time between kernels in that step, by gap size (and the gaps of 1 ms "
+                  "or more by the kind of kernel that ended each):", "", *gaps]  # fmt: skip
     return lines + _quantize_table(profiled)
+
+
+def _gap_line(r: ThroughputResult) -> str:
+    ms, n, before = r.train_gap_ms or {}, r.train_gaps or {}, r.train_gap_ms_before or {}
+    sizes = ", ".join(f"{k} {ms[k]:,.0f} ms in {n.get(k, 0):,.0f}" for k in ms)
+    after = "; before " + ", ".join(f"{k} {v:,.0f} ms" for k, v in sorted(before.items(), key=lambda t: -t[1]))
+    return f"- {r.recipe}: {sum(ms.values()):,.0f} ms idle ({sizes}){after if before else ''}"
 
 
 def quantize_bytes(label: str) -> float | None:

@@ -38,8 +38,15 @@ from fp8rl.config import RunConfig
 from fp8rl.loop import build_parts, rl_step, task_examples
 from fp8rl.tasks import Example
 from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
+from fp8rl.train.step_profile import (
+    GAP_BEFORE_PREFIX,
+    GAP_MS_PREFIX,
+    GAPS_PREFIX,
+    QUANT_CALLS_PREFIX,
+    QUANT_MS_PREFIX,
+    QUANT_UNPAIRED,
+)
 from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
-from fp8rl.train.step_profile import QUANT_CALLS_PREFIX, QUANT_MS_PREFIX, QUANT_UNPAIRED
 from fp8rl.train.step_profile import WALL_KEY as STEP_PROFILE_WALL
 
 # metric key of fp8rl.loop.rl_step -> field of ThroughputResult
@@ -113,6 +120,11 @@ class ThroughputResult:
     train_quant_calls: dict[str, float] | None = None
     # the profiled policy step's wall seconds (under the profiler, which adds some: compare within the profile)
     profiled_train_s: float | None = None
+    # CUDA: that step's compute-stream idle between kernels by gap size (ms, and how many gaps), and the gaps of 1 ms
+    # or more by the category of the kernel that ends each (fp8rl.train.step_profile.stream_gaps)
+    train_gap_ms: dict[str, float] | None = None
+    train_gaps: dict[str, float] | None = None
+    train_gap_ms_before: dict[str, float] | None = None
     # --profile-train: why the profiled step failed (its recipe's timed numbers stand; the CLI exits non-zero)
     train_profile_error: str | None = None
 
@@ -294,6 +306,8 @@ def _profiled_step(
     return {
         "train_device_ms": by_cat, "train_kernel_calls": calls or None, "profiled_train_s": wall,
         "train_quant_ms": quant_ms or None, "train_quant_calls": quant_calls or None,
+        "train_gap_ms": under(GAP_MS_PREFIX) or None, "train_gaps": under(GAPS_PREFIX) or None,
+        "train_gap_ms_before": under(GAP_BEFORE_PREFIX) or None,
     }  # fmt: skip
 
 

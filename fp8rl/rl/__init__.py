@@ -38,7 +38,9 @@ from fp8rl.rl.loss import (
     PolicyLossInput,
     aggregate_token_loss,
     policy_loss,
+    policy_loss_stats,
     ppo_clip_token_loss,
+    stats_row,
 )
 from fp8rl.rl.metrics import bernoulli_js_divergence, kl_k3, masked_max, masked_mean, masked_sum, mismatch_metrics
 
@@ -56,5 +58,7 @@ __all__ = [
     "mismatch_correction",
     "mismatch_metrics",
     "policy_loss",
+    "policy_loss_stats",
     "ppo_clip_token_loss",
+    "stats_row",
 ]

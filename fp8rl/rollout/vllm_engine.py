@@ -161,7 +161,6 @@ class VLLMRolloutEngine:
         )
         if problem:
             raise UserError(problem)
-        self.tp_rank = int(os.environ.get("RANK", "0")) if self.tp > 1 else 0  # the launcher's (external_launcher)
         self.layout = fused_layout(self.model_config, self.tp)
         tokens = special_tokens(self.checkpoint)  # config, generation config and tokenizer agree on the stops
         self.stop_token_ids = list(tokens.stop_ids)
@@ -174,6 +173,11 @@ class VLLMRolloutEngine:
         vllm = import_vllm()
         self._vllm = vllm
         self.llm = vllm.LLM(**vllm_engine_kwargs(self.checkpoint, recipe, self.rollout, seed, sleep_mode))
+        self.tp_rank = 0  # this process's rank in a tensor-parallel engine: the part vLLM's loaders cut for it
+        if self.tp > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
         self._model = vllm_patches.engine_model(self.llm)
         self._check_layout()
 
@@ -252,8 +256,11 @@ class VLLMRolloutEngine:
         if self.tp > 1:
             _, missing = order_by_fused_module(payload, self.layout)
             if missing:  # what is held is this rank's part: it cannot stand in for the full weight vLLM splits
+                target, parts = sorted(missing.items())[0]
                 raise ValueError(
-                    f"a tensor-parallel engine reloads fused modules whole; the payload lacks {sorted(missing.items())[0]}"
+                    f"rollout.tensor_parallel_size {self.tp}: a tensor-parallel engine reloads fused modules whole, and "
+                    f"this payload holds part of {target} without {', '.join(parts)} (a sync must send every part; "
+                    "ray.sync 'ipc' and 'objectstore' do)"
                 )
         items = reload_items(payload, known, self.layout)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})

@@ -415,7 +415,8 @@ def tp_layout_problem(model_config: Mapping[str, Any], tp: int, block_fp8: bool)
         if n % tp:
             return f"rollout.tensor_parallel_size {tp} does not divide the model's {what} ({n})"
     if block_fp8:
-        for what, n in (("q", d["q"]), ("k/v", d["kv"]), ("intermediate", d["inter"]), ("hidden", d["hidden"])):
+        # split: q/k/v and gate/up by rows, o_proj by its q columns, down_proj by its intermediate columns
+        for what, n in (("q", d["q"]), ("k/v", d["kv"]), ("intermediate", d["inter"])):
             if (n // tp) % FP8_BLOCK[0]:
                 return (
                     f"rollout.tensor_parallel_size {tp}: each rank would hold {n // tp} {what} rows or columns, not "
@@ -452,6 +453,8 @@ def tp_shard(
             scale = _part(value.scale_inv, 0, rank, tp) if dim == 0 else value.scale_inv
         return dataclasses.replace(value, data=data, scale_inv=scale)
     if name in VOCAB_PARAMS:
+        if vocab_padded < value.shape[0]:
+            raise ValueError(f"{name}: tp_shard needs vLLM's padded vocabulary size, got {vocab_padded}")
         per = vocab_padded // tp
         start, stop = rank * per, min((rank + 1) * per, value.shape[0])
         return value[start : max(start, stop)]

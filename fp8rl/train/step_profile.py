@@ -11,11 +11,16 @@ Reading the numbers: they are sums of kernel time, not busy time -- NCCL kernels
 streams and include the time a rank waits for the others; "optimizer" also holds the other ``foreach`` kernels
 (under FSDP2 the all-gather's copy-in, and the gradient norm); the categories are name matches (``CATEGORIES``).
 A Ray trainer group reports one rank's profile, the rank with the most non-NCCL kernel time.
+
+On CUDA the profile also says when the compute stream waited (``stream_gaps``): its idle time between kernels by gap
+size, and the long gaps by the kind of kernel that ended each.  Many short gaps point at the host launching slower than
+the GPU runs; a few long ones at waits (a host read of a device value, another stream's collective).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +40,11 @@ QUANT_MS_PREFIX, QUANT_CALLS_PREFIX, QUANT_UNPAIRED = (
     "profile/quant_unpaired",
 )
 WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profiler, without its post-processing)
+# CUDA: the compute stream's idle time between its kernels (the stream with the most non-NCCL kernel time), by gap size:
+# ms and how many; and the gaps of 1 ms or more by the category of the kernel that ends each (what the stream waited to
+# start: e.g. a micro-batch's first kernels after a host read, or a kernel waiting on another stream's collective)
+GAP_MS_PREFIX, GAPS_PREFIX, GAP_BEFORE_PREFIX = "profile/gap_ms/", "profile/gaps/", "profile/gap_ms_before/"
+GAP_BUCKETS = ((0.01, "under_10us"), (0.1, "10us_to_0.1ms"), (1.0, "0.1_to_1ms"), (math.inf, "1ms_and_more"))
 
 # (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -104,6 +114,7 @@ class StepProfile:
         out[WALL_KEY] = wall
         if on_cuda:
             out.update(quantize_ms_by_launch(prof, launches))
+            out.update(compute_stream_gaps(prof))
 
 
 def quantize_ms_by_launch(prof: Any, launches: list[tuple[str, str]]) -> dict[str, float]:
@@ -126,6 +137,38 @@ def quantize_ms_by_launch(prof: Any, launches: list[tuple[str, str]]) -> dict[st
         out[QUANT_MS_PREFIX + label] = out.get(QUANT_MS_PREFIX + label, 0.0) + e.time_range.elapsed_us() / 1e3
         out[QUANT_CALLS_PREFIX + label] = out.get(QUANT_CALLS_PREFIX + label, 0.0) + 1.0
     return out
+
+
+def stream_gaps(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    """The idle time between one stream's kernels ``(start_us, end_us, name)``: ``GAP_MS_PREFIX`` / ``GAPS_PREFIX`` by
+    gap size (``GAP_BUCKETS``), and the gaps of 1 ms or more summed by the category of the kernel after each
+    (``GAP_BEFORE_PREFIX``).  Only between the first kernel's start and the last one's end."""
+    out: dict[str, float] = {}
+    busy_until = None
+    for start, end, name in sorted(kernels):
+        if busy_until is not None and start > busy_until:
+            ms = (start - busy_until) / 1e3
+            bucket = next(label for bound, label in GAP_BUCKETS if ms < bound)
+            out[GAP_MS_PREFIX + bucket] = out.get(GAP_MS_PREFIX + bucket, 0.0) + ms
+            out[GAPS_PREFIX + bucket] = out.get(GAPS_PREFIX + bucket, 0.0) + 1.0
+            if ms >= 1.0:
+                key = GAP_BEFORE_PREFIX + category(name)
+                out[key] = out.get(key, 0.0) + ms
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return out
+
+
+def compute_stream_gaps(prof: Any) -> dict[str, float]:
+    """``stream_gaps`` of the stream (the profiler's ``device_resource_id`` of a kernel) whose non-NCCL kernels took
+    the most time: the stream the step's compute runs on."""
+    streams: dict[Any, list[tuple[float, float, str]]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            streams.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end, e.name))
+    if not streams:
+        return {}
+    busiest = max(streams.values(), key=lambda ks: sum(end - start for start, end, n in ks if category(n) != "nccl"))
+    return stream_gaps(busiest)
 
 
 class _Profiled(Protocol):

@@ -32,8 +32,7 @@ from fp8rl.models.loading import load_causal_lm
 from fp8rl.models.tiny import pin_tokenizer_class
 from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
-from fp8rl.rl import PolicyLossInput
-from fp8rl.rl.loss import policy_loss_stats, stats_row
+from fp8rl.rl import PolicyLossInput, policy_loss_stats, stats_row
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
 from fp8rl.train.batches import MicroBatcher, SequenceBatch
 from fp8rl.train.batches import build_batch as build_batch  # re-exported: the trainer's callers build batches
@@ -41,6 +40,7 @@ from fp8rl.train.batches import policy_batch_totals as policy_batch_totals
 from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear, checkpoint_contexts
 from fp8rl.train.graphs import LayerGraphs
+from fp8rl.train.model_inputs import causal_padding_mask, no_mask_sdpa, prepares_masks, to_device, unpadded
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
 from fp8rl.train.step_memory import StepMemory
 from fp8rl.train.step_profile import StepProfile, profiled_step
@@ -80,15 +80,6 @@ class TrainerOptions:
     cuda_graph_shapes: int = 2  # captured shapes kept (each holds one micro-batch's activations and gradients)
 
 
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[n, L]`` padding mask (1: a token) -> the ``[n, 1, L, L]`` boolean mask (True: attend) HF's SDPA path builds
-    from it for torch >= 2.5 (``transformers.masking_utils.sdpa_mask``: key <= query and the key a token), made on the
-    mask's device without reading it back."""
-    length = attention_mask.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril_()
-    return causal[None, None] & attention_mask.bool()[:, None, None, :]
-
-
 class TorchTrainer:
     def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
         if opts.precision not in ("bf16", "fp8"):
@@ -105,7 +96,7 @@ class TorchTrainer:
         self.model.train()
         self.device = torch.device(device)
         self.opts = opts
-        self._sdpa = getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+        self._masks = prepares_masks(self.model.config)  # fp8rl.train.model_inputs
         self.fp8_modules: list[str] = self._convert_linears()
         self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
         self.graphs = self._layer_graphs() if opts.cuda_graphs else None
@@ -260,32 +251,27 @@ class TorchTrainer:
     ) -> torch.Tensor:
         """The model's logits ``[n, L, V]`` for ``ids [n, L]`` under training numerics (grad as the caller's).
 
-        ``attention_mask`` ``[n, L]`` (1: a token) or None for none padded, with ``position_ids`` None then.  No KV
-        cache: HF would otherwise build one (``config.use_cache``) that no training forward reads.  Under SDPA the
-        padding mask goes in as the 4-D boolean causal mask HF would make of it (``causal_padding_mask``): HF's own
-        mask preparation reads the mask back (is there padding?), a synchronisation with the GPU per forward."""
-        if attention_mask is not None and attention_mask.dim() == 2 and self._sdpa:
-            attention_mask = causal_padding_mask(attention_mask)
-        return self.model(
-            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
+        ``attention_mask`` ``[n, L]`` (1: a token) or None for none padded, with ``position_ids`` None then
+        (``_model_inputs``).  No KV cache: HF would otherwise build one (``config.use_cache``) that no training forward
+        reads.  Where the trainer prepares the masks, the forward reads nothing back from the GPU
+        (``fp8rl.train.model_inputs``)."""
+        if not self._masks:
+            return self.model(
+                input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).logits
+        mask = causal_padding_mask(attention_mask) if attention_mask is not None else None
+        with no_mask_sdpa(self.model):
+            return self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
 
     def _model_inputs(self, b: SequenceBatch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(attention mask, position ids) of a micro-batch for ``_logits``, on the device: both None where no token is
-        padding (decided on the host: SDPA then runs causal without a mask, as HF would pick)."""
-        n, length = b.attention_mask.shape
-        if bool(b.attention_mask.all()) and torch.equal(b.position_ids, torch.arange(length).expand(n, length)):
+        """(attention mask, position ids) of a host micro-batch for ``_logits``, on the device; both None where the
+        trainer prepares the masks and no token is padded."""
+        if self._masks and unpadded(b.attention_mask, b.position_ids):
             return None, None
         return self._on_device(b.attention_mask), self._on_device(b.position_ids)
 
-    # ---- forward -------------------------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the trainer's GPU without waiting for the GPU: a plain ``.to(cuda)`` from pageable memory
-        synchronises with the stream, so each micro-batch's inputs would drain the queue the host built ahead;
-        copied through pinned memory (PyTorch's caching host allocator keeps the buffer until the copy ran)."""
-        if self.device.type != "cuda" or t.device.type != "cpu":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def _response_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad).

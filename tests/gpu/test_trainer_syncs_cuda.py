@@ -2,8 +2,8 @@
 
 A host read of a device value (``float(t)``, ``.tolist()``, ``.cpu()``) or a copy from pageable host memory
 (``.to("cuda")``) synchronises with the stream: the host waits for everything queued, and the GPU then idles while
-the host prepares and launches the next micro-batch.  With FP8's shorter GEMMs that idle was ~7% of an 8B train step
-(docs/benchmarks.md).  Counted with PyTorch's sync debug mode (one warning per synchronising call): the number of
+the host prepares and launches the next micro-batch (the 8B FP8 train step's compute stream idles ~1.6 s; whether such
+drains are the cause is measured in docs/benchmarks.md).  Counted with PyTorch's sync debug mode (one warning per synchronising call): the number of
 synchronisations of a step and of a logprob pass must not grow with the number of micro-batches.
 """
 
@@ -67,7 +67,7 @@ def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Pa
         pytest.skip("FP8 needs sm_89+")
     batch, adv, old, mask = fixed_batch()
     counts = {}
-    for micro in (10, 2):  # one micro-batch of the 10 rows, then five
+    for micro in (10, 2, 1):  # one micro-batch of the 10 rows (padded), five, ten (one row each: nothing padded)
         trainer = TorchTrainer(
             tiny_models["small"], TrainerOptions(precision=precision, micro_batch_size=micro), "cuda"
         )
@@ -77,7 +77,7 @@ def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Pa
         logprobs = _syncs(lambda t=trainer: t.compute_logprobs(batch, 1.0))
         counts[micro] = (step, logprobs)
     print({m: {"step": Counter(s), "logprobs": Counter(lp)} for m, (s, lp) in counts.items()})
-    assert [len(w) for w in counts[2]] == [len(w) for w in counts[10]], (
+    assert [len(w) for w in counts[2]] == [len(w) for w in counts[1]] == [len(w) for w in counts[10]], (
         f"synchronisations by micro-batch size: {counts}"
     )
     assert counts[10][0]  # the mode counts: the step reads its grad norm and metrics back at least once

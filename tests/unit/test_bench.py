@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -309,6 +310,15 @@ def test_step_report_lists_the_quantization_kernels_by_launch_with_their_bandwid
     assert f"| fp8-e2e | {label} | 10 | 4.0 | 0.400 | {gbps:,.0f} |" in md
     assert "| fp8-e2e | amax_kernel | 2 | 1.0 | 0.500 | - |" in md
     assert doc["results"][0]["train_quant_calls"][label] == 10.0
+    assert "compute stream's idle" not in md  # no gaps measured (the CPU, or before this field)
+    gaps = {"under_10us": 40.0, "1ms_and_more": 1200.0}, {"under_10us": 9000.0, "1ms_and_more": 30.0}
+    fp8 = dataclasses.replace(fp8, train_gap_ms=gaps[0], train_gaps=gaps[1],
+                              train_gap_ms_before={"other": 900.0, "gemm": 300.0})  # fmt: skip
+    _, md = report([fp8], {"model": "llama-1b"})
+    assert (
+        "- fp8-e2e: 1,240 ms idle (under_10us 40 ms in 9,000, 1ms_and_more 1,200 ms in 30); before other 900 ms, gemm 300 ms"
+        in md
+    )
 
 
 @pytest.mark.parametrize("verify", [False, True])

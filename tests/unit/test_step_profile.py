@@ -109,3 +109,25 @@ def test_quantization_kernels_pair_with_their_launches_only_when_names_and_count
     assert quantize_ms_by_launch(prof, launches[:2]) == {QUANT_UNPAIRED: 1.0}  # a kernel more than launches
     swapped = [launches[0], launches[2], launches[1]]  # same count, a name that does not match its event
     assert quantize_ms_by_launch(prof, swapped) == {QUANT_UNPAIRED: 1.0}
+
+
+def test_stream_gaps_are_summed_by_size_and_the_long_ones_by_the_kernel_after_them() -> None:
+    from fp8rl.train.step_profile import GAP_BEFORE_PREFIX, GAP_MS_PREFIX, GAPS_PREFIX, stream_gaps
+
+    kernels = [  # (start us, end us, name), out of order; two kernels overlap (kineto's timestamps may)
+        (3_000.0, 3_500.0, "nvjet_gemm"),
+        (0.0, 1_000.0, "embedding_kernel"),
+        (1_005.0, 1_050.0, "elementwise"),  # 5 us after the first
+        (1_040.0, 1_100.0, "elementwise"),  # overlaps: no gap
+        (1_300.0, 1_400.0, "_groups_kernel"),  # 0.2 ms after
+        (6_500.0, 7_000.0, "ncclDevKernel"),  # 3 ms after the gemm
+    ]
+    out = stream_gaps(kernels)
+    assert out[GAP_MS_PREFIX + "under_10us"] == pytest.approx(0.005) and out[GAPS_PREFIX + "under_10us"] == 1
+    assert out[GAP_MS_PREFIX + "0.1_to_1ms"] == pytest.approx(0.2) and out[GAPS_PREFIX + "0.1_to_1ms"] == 1
+    assert out[GAP_MS_PREFIX + "1ms_and_more"] == pytest.approx(1.6 + 3.0) and out[GAPS_PREFIX + "1ms_and_more"] == 2
+    assert out[GAP_BEFORE_PREFIX + "gemm"] == pytest.approx(1.6) and out[GAP_BEFORE_PREFIX + "nccl"] == pytest.approx(
+        3.0
+    )
+    assert GAP_MS_PREFIX + "10us_to_0.1ms" not in out
+    assert stream_gaps([]) == {}

@@ -116,6 +116,12 @@ def test_each_rank_reads_back_its_part_of_the_pushed_weights(granularity: str, p
         assert torch.equal(torch.cat(parts, 1), whole)
 
 
+def test_the_vocabulary_split_needs_the_padded_size() -> None:
+    hf, _ = _model()
+    with pytest.raises(ValueError, match="padded vocabulary size"):
+        vw.tp_shard("lm_head.weight", hf["lm_head.weight"], 0, 2)
+
+
 def test_layout_problems_name_the_field() -> None:
     _, cfg = _model()
     assert "num_key_value_heads (4)" in (vw.tp_layout_problem(cfg, 8, block_fp8=False) or "")
@@ -163,6 +169,10 @@ def test_config_checks_name_the_fields() -> None:
         parse_run_config({**_ray_cfg(tensor_parallel_size=2), "ray": None}, "t")
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size 2 splits a vLLM engine over Ray"):
         parse_run_config({**_ray_cfg(tensor_parallel_size=2), "rollout": {"tensor_parallel_size": 2}}, "t")
+    collective = _ray_cfg(tensor_parallel_size=2)
+    collective["ray"] = {**collective["ray"], "sync": "collective"}
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size 2 needs ray.sync 'ipc' or 'objectstore'"):
+        parse_run_config(collective, "t")
     with pytest.raises(ConfigError, match=r"ray.rollout_workers \(2\) must be a multiple of"):
         parse_run_config(_ray_cfg(tensor_parallel_size=4), "t")
     with pytest.raises(ValidationError, match="tensor_parallel_size"):
