@@ -39,6 +39,7 @@ from fp8rl.config import RayConfig, RunConfig
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
+from fp8rl.quant.kernels import LAUNCH_ENV
 from fp8rl.rollout.kv_calibration import kv_scale_metrics
 from fp8rl.sync import SyncStats
 from fp8rl.tracking import MetricsSink
@@ -218,7 +219,7 @@ def ensure_ray(rc: RayConfig, num_actors: int) -> bool:
     address = rc.address or os.environ.get("RAY_ADDRESS")
     if address:
         # a remote cluster's workers do not inherit this process's environment: pass on what fp8rl reads from it
-        env = {k: os.environ[k] for k in ("FP8RL_QUANT_LAUNCH",) if os.environ.get(k)}
+        env = {k: os.environ[k] for k in (LAUNCH_ENV,) if os.environ.get(k)}
         ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": env} if env else None)
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

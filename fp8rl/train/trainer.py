@@ -268,11 +268,9 @@ class TorchTrainer:
         trainer prepares the masks and no token is padded."""
         if self._masks and unpadded(b.attention_mask, b.position_ids):
             return None, None
-        return self._on_device(b.attention_mask), self._on_device(b.position_ids)
+        return to_device(b.attention_mask, self.device), to_device(b.position_ids, self.device)
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        return to_device(t, self.device)
-
+    # ---- forward -------------------------------------------------------------------------------------
     def _response_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         """Per-token logprobs of the response tokens ``[n, T]`` under training numerics (with grad).
 
@@ -284,14 +282,14 @@ class TorchTrainer:
         self._tokens[1] += float(b.attention_mask.sum())
         b = self.micro.bucketed(b)
         self._tokens[0] += float(b.input_ids.numel())
-        ids = self._on_device(b.input_ids)
+        ids = to_device(b.input_ids, self.device)
         with self.graphs.active() if self.graphs is not None else nullcontext():
             logits = self._logits(ids, *self._model_inputs(b))
         tb = ids.shape[1] - b.prompt_width
         pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + tb, :]
         # chunked: no fp32 copy of the whole [n, t, vocab] logits (fp8rl.train.token_logprobs)
         lp = token_logprobs(pred, ids[:, b.prompt_width :], temperature)
-        lp = (lp * self._on_device(b.response_mask))[:n, :t]
+        lp = (lp * to_device(b.response_mask, self.device))[:n, :t]
         return torch.nn.functional.pad(lp, (0, full_t - t)) if t < full_t else lp
 
     @torch.no_grad()
@@ -371,10 +369,10 @@ class TorchTrainer:
             lp = self._response_logprobs(batch.slice(sl), temperature)
             inp = PolicyLossInput(
                 logprobs=lp,
-                old_logprobs=self._on_device(old_logprobs[sl]),
-                advantages=self._on_device(advantages[sl]),
-                mask=self._on_device(mb_mask),
-                is_weights=None if is_weights is None else self._on_device(is_weights[sl]),
+                old_logprobs=to_device(old_logprobs[sl], self.device),
+                advantages=to_device(advantages[sl], self.device),
+                mask=to_device(mb_mask, self.device),
+                is_weights=None if is_weights is None else to_device(is_weights[sl], self.device),
             )
             loss, stats = policy_loss_stats(inp, loss_cfg)
             if loss_cfg.loss_agg == "token-mean":

@@ -34,25 +34,20 @@ def _syncs(fn) -> list[str]:
     """Where each synchronisation ``fn`` makes was called from: its innermost frames outside torch (file:line)."""
     torch.cuda.synchronize()
     where: list[str] = []
-    before = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
         if "synchronizing" in str(message):
             frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith((TORCH, WARNINGS))]
             where.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-5:])))
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = before
+    with warnings.catch_warnings():  # restores showwarning and the filters
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return where
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fp8rl.train.batches import SequenceBatch, build_batch
-from fp8rl.train.model_inputs import NO_MASK_SDPA, causal_padding_mask, prepares_masks
+from fp8rl.train.model_inputs import causal_padding_mask, prepares_masks
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
@@ -92,7 +92,7 @@ def test_other_attention_and_sliding_windows_take_hfs_path(tiny_models: dict[str
     config.layer_types = ["full_attention", "sliding_attention"]
     assert not prepares_masks(config)
     config.layer_types = ["full_attention"] * 2
-    assert prepares_masks(config) and NO_MASK_SDPA != "sdpa"
+    assert prepares_masks(config)
 
 
 def test_causal_padding_mask_is_causal_and_hides_padded_keys() -> None:
