@@ -5,7 +5,8 @@ takes its contiguous rows of one fixed batch (uneven on purpose: rank 0 runs two
 micro-batches, rank 1 one with no loss tokens, then a padding one), runs policy steps, and
 rank 0 writes what the test compares with the one-process replicated trainer: per-step
 metrics summed over ranks, FP8 KV-cache scales (before the first forward and after the steps), logprobs, the gathered weights, the full trainer state, and a saved
-checkpoint.  With ``--resume STATE`` it first loads a (replicated) trainer state.
+checkpoint.  With ``--resume STATE`` it first loads a (replicated) trainer state.  With ``--count-syncs`` (CUDA) each
+rank also records where its policy steps and logprob pass synchronised with the GPU (``cuda_syncs.record_syncs``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def main() -> None:
     ap.add_argument("--offload-optimizer-state", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
     ap.add_argument("--no-fp8-gather-once", action="store_true", help="TrainerOptions.fp8_gather_once=False")
+    ap.add_argument("--compile-elementwise", action="store_true")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--count-syncs", action="store_true", help="record each rank's synchronisations (CUDA)")
     args = ap.parse_args()
     gathers = _count_all_gathers()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
@@ -90,9 +94,10 @@ def main() -> None:
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = TrainerOptions(
-        precision=args.precision, lr=1e-3, micro_batch_size=4, sharding="fsdp", backend=args.backend,
-        activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state,
-        fp8_gather_once=not args.no_fp8_gather_once,
+        precision=args.precision, lr=1e-3, micro_batch_size=args.micro_batch_size, sharding="fsdp",
+        backend=args.backend, activation_checkpointing=args.activation_checkpointing,
+        offload_optimizer_state=args.offload_optimizer_state, fp8_gather_once=not args.no_fp8_gather_once,
+        compile_elementwise=args.compile_elementwise,
     )  # fmt: skip
     trainer: TorchTrainer
     if args.backend == "te":
@@ -109,10 +114,22 @@ def main() -> None:
     # FP8 KV-cache scales before any forward (the FSDP state is not initialised yet) and after the steps
     kv_before = trainer.kv_scales(batch, 0.999, 1.1)[0]
     history = []
+    syncs: list[list[str]] = []  # this rank's, per policy step, then the logprob pass (--count-syncs)
+
+    def step() -> dict[str, float]:
+        return trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], GRPOConfig(), 1.0,
+                                   totals=totals)  # fmt: skip
+
     for _ in range(args.steps):
         before = gathers[0]
-        m = trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], GRPOConfig(), 1.0,
-                                totals=totals)  # fmt: skip
+        if args.count_syncs:
+            from cuda_syncs import record_syncs
+
+            got: list[dict[str, float]] = []
+            syncs.append(record_syncs(lambda got=got: got.append(step())))  # type: ignore[misc]
+            m = got[0]
+        else:
+            m = step()
         parts: list[dict[str, float] | None] = [None] * world
         dist.all_gather_object(parts, m)
         summed = {k: sum(p.get(k, 0.0) for p in parts if p) for k in m}
@@ -122,7 +139,16 @@ def main() -> None:
         history.append(summed)
     kv_after = trainer.kv_scales(batch, 0.999, 1.1)[0]
     lp_parts: list[torch.Tensor | None] = [None] * world
-    dist.all_gather_object(lp_parts, trainer.compute_logprobs(batch.slice(rows), 1.0))
+    if args.count_syncs:
+        from cuda_syncs import record_syncs
+
+        lps: list[torch.Tensor] = []
+        syncs.append(record_syncs(lambda: lps.append(trainer.compute_logprobs(batch.slice(rows), 1.0))))
+        dist.all_gather_object(lp_parts, lps[0])
+    else:
+        dist.all_gather_object(lp_parts, trainer.compute_logprobs(batch.slice(rows), 1.0))
+    rank_syncs: list[list[list[str]] | None] = [None] * world
+    dist.all_gather_object(rank_syncs, syncs)
     from torch.distributed.tensor import DTensor
 
     weights = {k: v.cpu() for k, v in trainer.hf_state_dict().items()}
@@ -144,7 +170,7 @@ def main() -> None:
         torch.save(
             {"history": history, "logprobs": torch.cat([t for t in lp_parts if t is not None]), "weights": weights,
              "state": state, "local_sizes": sizes, "kv_before": kv_before, "kv_after": kv_after,
-             "kept": kept},
+             "kept": kept, "syncs": rank_syncs},
             out / "result.pt",
         )  # fmt: skip
     dist.destroy_process_group()
