@@ -150,7 +150,13 @@ class TETrainer(TorchTrainer):
 
     # ---- weights -------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
-        """An HF checkpoint (bf16) under the HF names, without TE's per-module ``_extra_state`` (FP8 metadata)."""
+        """An HF checkpoint (bf16) under the HF names, without TE's per-module ``_extra_state`` (FP8 metadata).
+
+        Sharded: the torch trainer's gathered save (parameters only, so no ``_extra_state`` either): the model's own
+        state dict holds FSDP2's DTensor shards, which ``save_pretrained`` cannot write."""
+        if self.sharded:
+            super().save(path)
+            return
         state = {k: v for k, v in self.model.state_dict().items() if not k.endswith(TE_EXTRA_STATE_SUFFIX)}
         self.model.save_pretrained(path, state_dict=state)
 

@@ -23,9 +23,10 @@ def record_syncs(fn: Callable[[], object]) -> list[str]:
     (file:line, innermost first)."""
     torch.cuda.synchronize()
     where: list[str] = []
+    inside = [False]  # setting the mode can report a synchronisation of its own (seen on its first use)
 
     def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-        if "synchronizing" in str(message):
+        if inside[0] and "synchronizing" in str(message):
             frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith((TORCH, WARNINGS))]
             where.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-5:])))
 
@@ -34,7 +35,9 @@ def record_syncs(fn: Callable[[], object]) -> list[str]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
+            inside[0] = True
             fn()
         finally:
+            inside[0] = False
             torch.cuda.set_sync_debug_mode("default")
     return where
