@@ -390,13 +390,6 @@ class RunConfig(_Strict):
             raise ValueError(
                 "recipe.kv_cache 'fp8' needs rollout.engine 'vllm' (the torch engine keeps a bf16 KV cache)"
             )
-        if self.ray is not None and self.ray.trainer_sharding == "fsdp" and self.recipe.trainer == "te":
-            # the trainer shards TE's linears like torch's (FSDP2 gathers the bf16 weights te.Linear reads); refused
-            # until tests/gpu/test_sharded_trainer_cuda.py's te case has passed on GPUs (TrainerOptions takes it)
-            raise ValueError(
-                "ray.trainer_sharding 'fsdp' shards the torch trainer only (recipe.trainer 'torch') until the "
-                "TransformerEngine trainer has run sharded on a GPU; it runs replicated"
-            )
         tp = self.rollout.tensor_parallel_size
         if tp > 1 and (self.rollout.engine != "vllm" or self.ray is None):
             raise ValueError(

@@ -118,12 +118,16 @@ def test_vllm_engine_recipes_are_checked_before_anything_runs() -> None:
     assert parse_run_config({"recipe": {**E2E, "kv_cache": "fp8"}, "rollout": vllm, "ray": {}}).ray is not None
 
 
-def test_trainer_sharding_is_a_ray_setting_for_the_torch_trainer() -> None:
+def test_trainer_sharding_is_a_ray_setting_for_either_trainer() -> None:
+    from fp8rl.loop import trainer_options
+
     cfg = parse_run_config({"recipe": E2E, "ray": {"trainer_workers": 2, "trainer_sharding": "fsdp"}})
     assert cfg.ray is not None and cfg.ray.trainer_sharding == "fsdp"
     assert parse_run_config({"recipe": E2E}).optim.activation_checkpointing is False
-    with pytest.raises(ConfigError, match=r"trainer_sharding 'fsdp' shards the torch trainer only"):
-        parse_run_config({"recipe": {**E2E, "trainer": "te"}, "ray": {"trainer_sharding": "fsdp"}})
+    # the TransformerEngine trainer shards the same way (tests/gpu/test_sharded_trainer_cuda.py's te case)
+    te = parse_run_config({"recipe": {**E2E, "trainer": "te"}, "ray": {"trainer_sharding": "fsdp"}})
+    opts = trainer_options(te)
+    assert (opts.backend, opts.sharding) == ("te", "fsdp")
     with pytest.raises(ConfigError, match=r"trainer_sharding"):
         parse_run_config({"recipe": E2E, "ray": {"trainer_sharding": "zero3"}})
 
