@@ -381,7 +381,9 @@ def _gap_line(r: ThroughputResult) -> str:
     ms, n, before = r.train_gap_ms or {}, r.train_gaps or {}, r.train_gap_ms_before or {}
     sizes = ", ".join(f"{k} {ms[k]:,.0f} ms in {n.get(k, 0):,.0f}" for k in ms)
     after = "; before " + ", ".join(f"{k} {v:,.0f} ms" for k, v in sorted(before.items(), key=lambda t: -t[1]))
-    return f"- {r.recipe}: {sum(ms.values()):,.0f} ms idle ({sizes}){after if before else ''}"
+    during = r.train_gap_ms_during_collective
+    waits = "" if during is None else f"; {during:,.0f} ms of it while a collective ran"
+    return f"- {r.recipe}: {sum(ms.values()):,.0f} ms idle ({sizes}){after if before else ''}{waits}"
 
 
 def quantize_bytes(label: str) -> float | None:

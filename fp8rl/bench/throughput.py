@@ -40,6 +40,7 @@ from fp8rl.tasks import Example
 from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
 from fp8rl.train.step_profile import (
     GAP_BEFORE_PREFIX,
+    GAP_DURING_COLLECTIVE,
     GAP_MS_PREFIX,
     GAPS_PREFIX,
     QUANT_CALLS_PREFIX,
@@ -125,6 +126,9 @@ class ThroughputResult:
     train_gap_ms: dict[str, float] | None = None
     train_gaps: dict[str, float] | None = None
     train_gap_ms_before: dict[str, float] | None = None
+    # of that idle time, the ms during which a collective (NCCL) ran on another stream: the compute stream waiting on
+    # communication, not on the host (several trainer ranks only)
+    train_gap_ms_during_collective: float | None = None
     # --profile-train: why the profiled step failed (its recipe's timed numbers stand; the CLI exits non-zero)
     train_profile_error: str | None = None
 
@@ -308,6 +312,7 @@ def _profiled_step(
         "train_quant_ms": quant_ms or None, "train_quant_calls": quant_calls or None,
         "train_gap_ms": under(GAP_MS_PREFIX) or None, "train_gaps": under(GAPS_PREFIX) or None,
         "train_gap_ms_before": under(GAP_BEFORE_PREFIX) or None,
+        "train_gap_ms_during_collective": metrics.get("train/" + GAP_DURING_COLLECTIVE),
     }  # fmt: skip
 
 

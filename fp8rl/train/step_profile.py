@@ -44,6 +44,9 @@ WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profi
 # ms and how many; and the gaps of 1 ms or more by the category of the kernel that ends each (what the stream waited to
 # start: e.g. a micro-batch's first kernels after a host read, or a kernel waiting on another stream's collective)
 GAP_MS_PREFIX, GAPS_PREFIX, GAP_BEFORE_PREFIX = "profile/gap_ms/", "profile/gaps/", "profile/gap_ms_before/"
+# the part of that idle time during which a collective (an NCCL kernel, on any stream) was running: the compute stream
+# waiting on communication (FSDP2's reduce-scatters and all-gathers) rather than on the host
+GAP_DURING_COLLECTIVE = "profile/gap_ms_during/collective"
 GAP_BUCKETS = ((0.01, "under_10us"), (0.1, "10us_to_0.1ms"), (1.0, "0.1_to_1ms"), (math.inf, "1ms_and_more"))
 
 # (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
@@ -139,11 +142,22 @@ def quantize_ms_by_launch(prof: Any, launches: list[tuple[str, str]]) -> dict[st
     return out
 
 
-def stream_gaps(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+def stream_gaps(
+    kernels: list[tuple[float, float, str]], collectives: list[tuple[float, float]] = ()
+) -> dict[str, float]:
     """The idle time between one stream's kernels ``(start_us, end_us, name)``: ``GAP_MS_PREFIX`` / ``GAPS_PREFIX`` by
-    gap size (``GAP_BUCKETS``), and the gaps of 1 ms or more summed by the category of the kernel after each
-    (``GAP_BEFORE_PREFIX``).  Only between the first kernel's start and the last one's end."""
+    gap size (``GAP_BUCKETS``), the gaps of 1 ms or more summed by the category of the kernel after each
+    (``GAP_BEFORE_PREFIX``), and, given the ``(start_us, end_us)`` of the collectives on every stream, how much of
+    the idle time one was running (``GAP_DURING_COLLECTIVE``).  Only between the first kernel's start and the last
+    one's end."""
     out: dict[str, float] = {}
+    busy: list[tuple[float, float]] = []  # the collectives' union, in order
+    for start, end in sorted(collectives):
+        if busy and start <= busy[-1][1]:
+            busy[-1] = (busy[-1][0], max(busy[-1][1], end))
+        else:
+            busy.append((start, end))
+    during, first = 0.0, 0  # busy[first:] may still overlap a later gap (gaps come in order)
     busy_until = None
     for start, end, name in sorted(kernels):
         if busy_until is not None and start > busy_until:
@@ -154,13 +168,21 @@ def stream_gaps(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
             if ms >= 1.0:
                 key = GAP_BEFORE_PREFIX + category(name)
                 out[key] = out.get(key, 0.0) + ms
+            while first < len(busy) and busy[first][1] <= busy_until:
+                first += 1
+            for b0, b1 in busy[first:]:
+                if b0 >= start:
+                    break
+                during += min(b1, start) - max(b0, busy_until)
         busy_until = end if busy_until is None else max(busy_until, end)
+    if busy and out:
+        out[GAP_DURING_COLLECTIVE] = during / 1e3
     return out
 
 
 def compute_stream_gaps(prof: Any) -> dict[str, float]:
     """``stream_gaps`` of the stream (the profiler's ``device_resource_id`` of a kernel) whose non-NCCL kernels took
-    the most time: the stream the step's compute runs on."""
+    the most time: the stream the step's compute runs on; the NCCL kernels of every stream as its collectives."""
     streams: dict[Any, list[tuple[float, float, str]]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -168,7 +190,8 @@ def compute_stream_gaps(prof: Any) -> dict[str, float]:
     if not streams:
         return {}
     busiest = max(streams.values(), key=lambda ks: sum(end - start for start, end, n in ks if category(n) != "nccl"))
-    return stream_gaps(busiest)
+    nccl = [(start, end) for ks in streams.values() for start, end, n in ks if category(n) == "nccl"]
+    return stream_gaps(busiest, nccl)
 
 
 class _Profiled(Protocol):

@@ -319,6 +319,8 @@ def test_step_report_lists_the_quantization_kernels_by_launch_with_their_bandwid
         "- fp8-e2e: 1,240 ms idle (under_10us 40 ms in 9,000, 1ms_and_more 1,200 ms in 30); before other 900 ms, gemm 300 ms"
         in md
     )
+    _, md = report([dataclasses.replace(fp8, train_gap_ms_during_collective=850.0)], {"model": "llama-1b"})
+    assert "before other 900 ms, gemm 300 ms; 850 ms of it while a collective ran" in md
 
 
 @pytest.mark.parametrize("verify", [False, True])

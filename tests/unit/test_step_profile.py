@@ -112,7 +112,13 @@ def test_quantization_kernels_pair_with_their_launches_only_when_names_and_count
 
 
 def test_stream_gaps_are_summed_by_size_and_the_long_ones_by_the_kernel_after_them() -> None:
-    from fp8rl.train.step_profile import GAP_BEFORE_PREFIX, GAP_MS_PREFIX, GAPS_PREFIX, stream_gaps
+    from fp8rl.train.step_profile import (
+        GAP_BEFORE_PREFIX,
+        GAP_DURING_COLLECTIVE,
+        GAP_MS_PREFIX,
+        GAPS_PREFIX,
+        stream_gaps,
+    )
 
     kernels = [  # (start us, end us, name), out of order; two kernels overlap (kineto's timestamps may)
         (3_000.0, 3_500.0, "nvjet_gemm"),
@@ -131,3 +137,9 @@ def test_stream_gaps_are_summed_by_size_and_the_long_ones_by_the_kernel_after_th
     )
     assert GAP_MS_PREFIX + "10us_to_0.1ms" not in out
     assert stream_gaps([]) == {}
+    assert GAP_DURING_COLLECTIVE not in out  # no collectives given (one rank)
+    # collectives on other streams, overlapping each other: the gap 3.5-6.5 ms is covered from 4.0 to 5.0 ms, the gap
+    # 1.4-3.0 ms from 2.9 on, the 0.2 ms gap (1.1-1.3) not at all; one ends before the first gap
+    nccl = [(4_000.0, 4_600.0), (4_500.0, 5_000.0), (2_900.0, 3_200.0), (0.0, 900.0)]
+    assert stream_gaps(kernels, nccl)[GAP_DURING_COLLECTIVE] == pytest.approx(1.0 + 0.1)
+    assert stream_gaps(kernels, [(8_000.0, 9_000.0)])[GAP_DURING_COLLECTIVE] == 0.0
