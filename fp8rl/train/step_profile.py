@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, Protocol
 
@@ -143,7 +143,7 @@ def quantize_ms_by_launch(prof: Any, launches: list[tuple[str, str]]) -> dict[st
 
 
 def stream_gaps(
-    kernels: list[tuple[float, float, str]], collectives: list[tuple[float, float]] = ()
+    kernels: list[tuple[float, float, str]], collectives: Sequence[tuple[float, float]] = ()
 ) -> dict[str, float]:
     """The idle time between one stream's kernels ``(start_us, end_us, name)``: ``GAP_MS_PREFIX`` / ``GAPS_PREFIX`` by
     gap size (``GAP_BUCKETS``), the gaps of 1 ms or more summed by the category of the kernel after each
