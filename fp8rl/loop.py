@@ -176,6 +176,7 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         offload_optimizer_state=o.offload_optimizer_state,
         compile_elementwise=o.compile_elementwise,
         fp8_gather_once=o.fp8_gather_once,
+        reduce_grads_once=o.reduce_grads_once,
         cuda_graphs=o.cuda_graphs,
         cuda_graph_width=o.cuda_graph_width,
         cuda_graph_shapes=o.cuda_graph_shapes,

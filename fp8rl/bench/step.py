@@ -279,6 +279,8 @@ def _headline(meta: dict[str, Any]) -> str:
                                         ("offload_optimizer_state", "AdamW state offloaded")) if optim.get(key)]  # fmt: skip
     if ray and ray.get("trainer_sharding") == "fsdp" and optim.get("fp8_gather_once"):
         settings.append("FP8 layers gathered once per step")
+    if ray and ray.get("trainer_sharding") == "fsdp" and optim.get("reduce_grads_once"):
+        settings.append("gradients reduce-scattered once per step")
     launch = meta.get("quant_launch")
     if launch and meta.get("quant_launch_from_env"):
         settings.append(f"quantization launch rowwise {launch['rowwise']}, with transpose {launch['colwise']}")

@@ -11,7 +11,9 @@ and the model) over the process group the caller made; the parameters are the fp
 sharded, AdamW state sharded with them (``ShardedAdamW``), bf16 compute and fp32 gradient
 reduction (``MixedPrecisionPolicy``), the gradient SUMMED across ranks as the replicated path
 sums it.  Every rank must then make the same calls in the same order: forwards, backwards,
-``hf_state_dict``, ``state_dict`` and ``save_checkpoint`` are collectives.
+``hf_state_dict``, ``state_dict`` and ``save_checkpoint`` are collectives.  FSDP2 reduce-scatters each
+micro-batch's gradients in its backward; with ``reduce_grads_once`` the micro-batches accumulate them unsharded in
+fp32 and the last one's backward reduce-scatters the sum (the replicated path's one reduction a step).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class TrainerOptions:
     # fsdp + fp8 (torch): gather each decoder layer's weights once per weight version, not at every forward and
     # backward: the FP8 linears' cached copies serve every micro-batch (see ``TorchTrainer._shard``)
     fp8_gather_once: bool = True
+    # fsdp: the micro-batches' gradients accumulate unsharded (fp32) and reduce-scatter once, in the last one's backward
+    reduce_grads_once: bool = False
     # decoder layers replayed as CUDA graphs, micro-batches padded to shape buckets (fp8rl.train.graphs)
     cuda_graphs: bool = False
     cuda_graph_width: int = 128  # the buckets' width step, in columns
@@ -87,6 +91,8 @@ class TorchTrainer:
         if opts.sharding not in SHARDINGS:
             raise ValueError(f"trainer sharding must be one of {SHARDINGS}, got {opts.sharding!r}")
         self.sharded = opts.sharding == "fsdp"
+        if opts.reduce_grads_once and not self.sharded:
+            raise ValueError("reduce_grads_once applies to sharding 'fsdp' (replicated, the gradients reduce once)")
         # sharded: loaded on the CPU; fully_shard moves each rank's shard (only) to the device
         load_on = "cpu" if self.sharded else device
         if isinstance(model, PreTrainedModel):
@@ -221,6 +227,13 @@ class TorchTrainer:
         layer's module attributes are the gathered parameters, whose FP8 linears' storage is released."""
         for unit in self._gather_once_units:
             unit.reshard()
+
+    def _reduce_grads_now(self, last: bool) -> None:
+        """``reduce_grads_once`` (FSDP2): the next backward reduce-scatters its gradients only if it is the step's
+        last; an earlier one adds them to FSDP2's unsharded fp32 accumulators, which the last one reduce-scatters.
+        Every rank runs the same number of micro-batches (``MicroBatcher.slices``), so the collectives match."""
+        if self.sharded and self.opts.reduce_grads_once:
+            self.model.set_requires_gradient_sync(last)
 
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:
         """A forward of ``MicroBatcher.padding_batch``: every token it computes is waste (counted computed, not valid)."""
@@ -360,7 +373,9 @@ class TorchTrainer:
         sums: torch.Tensor | None = None
         self._tokens = [0.0, 0.0]
         self.step_memory.start()
-        for sl in self.micro.slices(batch):
+        slices = self.micro.slices(batch)
+        for i, sl in enumerate(slices):
+            self._reduce_grads_now(last=i == len(slices) - 1)
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
                 if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
@@ -413,7 +428,9 @@ class TorchTrainer:
             dist.all_reduce(count)
         total = float(count.clamp(min=1))
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)  # read back once (as policy_step)
-        for sl in self.micro.slices(batch):
+        slices = self.micro.slices(batch)
+        for i, sl in enumerate(slices):
+            self._reduce_grads_now(last=i == len(slices) - 1)
             lp = self._response_logprobs(batch.slice(sl), 1.0) if sl.stop else self._padding_pass(batch, 1.0)
             loss = -(lp.sum()) / total
             loss.backward()

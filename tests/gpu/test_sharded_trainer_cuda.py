@@ -127,3 +127,26 @@ def test_fp8_gather_once_on_cuda_changes_the_gathers_not_the_numbers(
             assert b["all_gathers"] < a["all_gathers"]
     worst = max(float((once["weights"][k].float() - w.float()).abs().max()) for k, w in every["weights"].items())
     assert worst < 1e-2, worst
+
+
+def test_reduce_grads_once_on_cuda_changes_the_reduce_scatters_not_the_step(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """``optim.reduce_grads_once`` over NCCL (the 8B benchmark's trainer: FP8, gather-once, checkpointing): one
+    reduce-scatter per unit a step instead of one per micro-batch, and the run where the per-micro-batch run lands
+    (the same sums in another order, plus this GPU's run-to-run spread)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    model = tiny_models["small"]  # whole 128-tiles: the fused Hopper path
+    flags = ["--precision", "fp8", "--activation-checkpointing"]
+    once = _run_worker(model, tmp_path / "once", *flags, "--reduce-grads-once")
+    every = _run_worker(model, tmp_path / "every", *flags)
+    for step, (a, b) in enumerate(zip(every["history"], once["history"], strict=True), start=1):
+        print(f"step {step}: loss {b['loss']!r} vs {a['loss']!r}, grad norm {b['grad_norm']!r} vs {a['grad_norm']!r}, "
+              f"reduce-scatters {b['reduce_scatters']:.0f} vs {a['reduce_scatters']:.0f}")  # fmt: skip
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        if torch.cuda.device_count() >= 2:  # rank 0 runs two micro-batches a step
+            assert b["reduce_scatters"] * 2 == a["reduce_scatters"]
+    worst = max(float((once["weights"][k].float() - w.float()).abs().max()) for k, w in every["weights"].items())
+    assert worst < 1e-2, worst

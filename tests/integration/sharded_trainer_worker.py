@@ -58,16 +58,17 @@ def _state_device_bytes(trainer: TorchTrainer) -> int:
     )  # fmt: skip
 
 
-def _count_all_gathers() -> list[int]:
-    """Count ``torch.distributed.all_gather_into_tensor`` calls (FSDP2's parameter all-gathers) from now on."""
+def _count_calls(name: str) -> list[int]:
+    """Count the calls of ``torch.distributed.<name>`` from now on (FSDP2's parameter all-gathers are
+    ``all_gather_into_tensor``, its gradient reduce-scatters ``reduce_scatter_tensor``)."""
     count = [0]
-    real = dist.all_gather_into_tensor
+    real = getattr(dist, name)
 
     def counted(*args: object, **kwargs: object) -> object:
         count[0] += 1
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+        return real(*args, **kwargs)
 
-    dist.all_gather_into_tensor = counted  # type: ignore[assignment]
+    setattr(dist, name, counted)
     return count
 
 
@@ -86,8 +87,9 @@ def main() -> None:
     ap.add_argument("--compile-elementwise", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--count-syncs", action="store_true", help="record each rank's synchronisations (CUDA)")
+    ap.add_argument("--reduce-grads-once", action="store_true", help="TrainerOptions.reduce_grads_once=True")
     args = ap.parse_args()
-    gathers = _count_all_gathers()
+    gathers, scatters = _count_calls("all_gather_into_tensor"), _count_calls("reduce_scatter_tensor")
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
@@ -97,7 +99,7 @@ def main() -> None:
         precision=args.precision, lr=1e-3, micro_batch_size=args.micro_batch_size, sharding="fsdp",
         backend=args.backend, activation_checkpointing=args.activation_checkpointing,
         offload_optimizer_state=args.offload_optimizer_state, fp8_gather_once=not args.no_fp8_gather_once,
-        compile_elementwise=args.compile_elementwise,
+        compile_elementwise=args.compile_elementwise, reduce_grads_once=args.reduce_grads_once,
     )  # fmt: skip
     trainer: TorchTrainer
     if args.backend == "te":
@@ -121,7 +123,7 @@ def main() -> None:
                                    totals=totals)  # fmt: skip
 
     for _ in range(args.steps):
-        before = gathers[0]
+        before, scattered = gathers[0], scatters[0]
         if args.count_syncs:
             from cuda_syncs import record_syncs
 
@@ -136,6 +138,7 @@ def main() -> None:
         summed["grad_norm"], summed["lr"] = m["grad_norm"], m["lr"]
         summed["state_device_bytes"] = float(_state_device_bytes(trainer))  # this rank's, after the step
         summed["all_gathers"] = float(gathers[0] - before)  # this rank's FSDP2 all-gathers in the step
+        summed["reduce_scatters"] = float(scatters[0] - scattered)  # and its gradient reduce-scatters
         history.append(summed)
     kv_after = trainer.kv_scales(batch, 0.999, 1.1)[0]
     lp_parts: list[torch.Tensor | None] = [None] * world

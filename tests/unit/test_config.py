@@ -128,6 +128,14 @@ def test_trainer_sharding_is_a_ray_setting_for_either_trainer() -> None:
     te = parse_run_config({"recipe": {**E2E, "trainer": "te"}, "ray": {"trainer_sharding": "fsdp"}})
     opts = trainer_options(te)
     assert (opts.backend, opts.sharding) == ("te", "fsdp")
+    # one reduce-scatter a step: FSDP2's option (a replicated trainer reduces once a step already)
+    once = {"reduce_grads_once": True}
+    assert trainer_options(
+        parse_run_config({"recipe": E2E, "optim": once, "ray": {"trainer_sharding": "fsdp"}})
+    ).reduce_grads_once
+    for ray in ({}, {"ray": {}}):
+        with pytest.raises(ConfigError, match=r"optim.reduce_grads_once applies to ray.trainer_sharding 'fsdp'"):
+            parse_run_config({"recipe": E2E, "optim": once, **ray})
     with pytest.raises(ConfigError, match=r"trainer_sharding"):
         parse_run_config({"recipe": E2E, "ray": {"trainer_sharding": "zero3"}})
 
