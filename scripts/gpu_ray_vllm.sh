@@ -30,6 +30,8 @@
 #                                                        docs/configs/bench-vllm-ray-fsdp-8b.yaml); SET_8B adds
 #                                                        flags (e.g. "--set ray.sleep_after_sync=false"), COMPILE_8B=auto
 #                                                        adds optim.compile_elementwise when the compile part passed,
+#                                                        FSDP8B_RECIPES_B then runs those recipes again with
+#                                                        SET_8B_B's flags instead (a setting compared in one job),
 #                                                        GATHER_8B=auto turns optim.fp8_gather_once off unless its GPU
 #                                                        test passed in the tests part;
 #                                                        compile (not in the default) = tests/gpu/test_compiled_trainer_cuda.py;
@@ -181,7 +183,11 @@ case $step in
                  [ "${GATHER_8B:-}" = auto ] && c8="$c8 "'$(grep -q "PASSED.*fp8_gather_once_on_cuda.*checkpointed" '$RES'/pytest_x2_trainer.log 2>/dev/null || echo --set optim.fp8_gather_once=false)'
                  job="$job; echo PART fsdp8b $c8 launch \$(cat $RES/quant_launch.json 2>/dev/null); $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
                    "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
-                   ${SET_8B:-} $c8";;
+                   ${SET_8B:-} $c8"
+                 # FSDP8B_RECIPES_B: then those recipes again with SET_8B_B instead of SET_8B (another run-config
+                 # setting next to the first on the same machine, in the same job), results in $RES/fsdp8b-b
+                 [ -n "${FSDP8B_RECIPES_B:-}" ] && job="$job; echo PART fsdp8b-b; $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
+                   "$FSDP8B_RECIPES_B" $RES/fsdp8b-b llama-8b "${PROMPTS_8B:-32}") ${SET_8B_B:-} $c8";;
           rollout8b) V0=${ROLLOUT_GPU0:-fp8,fp8-row}; V1=${ROLLOUT_GPU1:-fp8-row-kv,bf16}
                  A="--shape llama-8b --modes fp8rl --long-tokens 0 --profile-tokens 128 ${ARGS:-}"
                  job="$job; echo PART rollout8b; mkdir -p $RES/rollout8b/gpu0 $RES/rollout8b/gpu1; \
