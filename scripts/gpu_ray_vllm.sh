@@ -47,7 +47,10 @@
 #   bash scripts/gpu_ray_vllm.sh te-part .carry/te      after the parts: TransformerEngine too (x2's te part)
 #   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
 #                                                        at once: the machine goes back 30 s after a call ends, and
-#                                                        the job (and the vLLM setup in /tmp) with it
+#                                                        the job (and the vLLM setup in /tmp) with it: nothing
+#                                                        between the calls, not even copying the returned files
+#                                                        (each call's stay where it put them; 2026-11-26 a job was
+#                                                        lost that way, halfway through the 8B benchmark)
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
 # MBT sets the benchmarks' --micro-batch-tokens (default 4096); BENCH_FLAGS adds flags to every benchmark (e.g.
 # "--profile-train": one more step per recipe, its train phase's kernel time by category); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
