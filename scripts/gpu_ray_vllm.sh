@@ -135,14 +135,19 @@ case $step in
         OUT=$RES/engine-process python3 scripts/gpu_vllm_overhead.py ${ARGS:-} --engine-process"
     elif [ "$step" = x2 ]; then
       job="nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; true"
+      # with te in X2: torch's cuDNN first for TE (TE's README: the image's older one in /usr/lib otherwise wins), in
+      # the te part's tests and in the 8B benchmark (its recipes may train with TE: docs/configs/fp8-e2e-te.yaml)
+      te_env=""
+      case " ${X2:-} " in *" te "*) sp=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        te_env="CUDNN_HOME=$sp/nvidia/cudnn LD_LIBRARY_PATH=$sp/nvidia/cudnn/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}";; esac
       for part in ${X2:-tests split overhead fsdp}; do
         case $part in
           # PYTEST in its own process: the trainer tests compare against an in-process reference, and other test
           # files change process-wide state (collecting vLLM's imports vLLM, which patches torch; 2026-11-26: with
           # them in one process the replicated reference's grad norm moved 3e-4, the sharded subprocess did not)
           # with te in X2, the te part runs the TE case (its cuDNN set up); here TE may be half installed
-          tests) te_case="tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8]"
-                 case " ${X2:-} " in *" te "*) te_case="--deselect $te_case";; *) te_case="";; esac
+          tests) te_case="tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8"
+                 case " ${X2:-} " in *" te "*) te_case="--deselect $te_case] --deselect $te_case-bench]";; *) te_case="";; esac
                  job="$job; python3 -m pytest -q -rA -p no:cacheprovider $te_case \
                    ${TESTS_TRAINER:-tests/gpu/test_sharded_trainer_cuda.py tests/gpu/test_optimizer_offload_cuda.py} \
                    > $RES/pytest_x2_trainer.log 2>&1; \
@@ -153,13 +158,13 @@ case $step in
           # te (not in the default; after te-part): the TE trainer sharded over both GPUs (the config refuses
           # ray.trainer_sharding fsdp with recipe.trainer te until this passes); cuDNN of torch's wheel first (TE's
           # README: the image's older one in /usr/lib otherwise wins)
-          te) sp=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-                 W=transformer_engine/wheel_lib
+          te) W=transformer_engine/wheel_lib
                  job="$job; echo PART te; if [ ! -e /tmp/site/$W/transformer_engine_torch*.so ]; then \
                    while [ -e /tmp/build_te.pid ] && ! grep -q BUILD_SECONDS /tmp/build_te.log; do sleep 5; done; \
                    tail -n 1 /tmp/build_te.log; cp /tmp/site_dev/$W/transformer_engine_torch*.so /tmp/site/$W/; \
-                   cp -r /tmp/site_dev/transformer_engine_torch-*.dist-info /tmp/site/; fi; CUDNN_HOME=$sp/nvidia/cudnn LD_LIBRARY_PATH=$sp/nvidia/cudnn/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH} \
+                   cp -r /tmp/site_dev/transformer_engine_torch-*.dist-info /tmp/site/; fi; $te_env \
                    python3 -m pytest -q -rA -p no:cacheprovider "tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8]" \
+                   "tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8-bench]" \
                    > $RES/pytest_te.log 2>&1; grep -h 'passed\|failed\|Error' $RES/pytest_te.log | cut -c1-240 | tail -n 12";;
           split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
                    "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
@@ -184,12 +189,12 @@ case $step in
                  ql=""; [ "${QUANT_LAUNCH:-}" = auto ] && ql='FP8RL_QUANT_LAUNCH="$(cat '$RES'/quant_launch.json 2>/dev/null)" '
                  # GATHER_8B=auto: optim.fp8_gather_once (the default) only if its GPU test passed in the tests part
                  [ "${GATHER_8B:-}" = auto ] && c8="$c8 "'$(grep -q "PASSED.*fp8_gather_once_on_cuda.*checkpointed" '$RES'/pytest_x2_trainer.log 2>/dev/null || echo --set optim.fp8_gather_once=false)'
-                 job="$job; echo PART fsdp8b $c8 launch \$(cat $RES/quant_launch.json 2>/dev/null); $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
+                 job="$job; echo PART fsdp8b $c8 launch \$(cat $RES/quant_launch.json 2>/dev/null); $te_env $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
                    "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
                    ${SET_8B:-} $c8"
                  # FSDP8B_RECIPES_B: then those recipes again with SET_8B_B instead of SET_8B (another run-config
                  # setting next to the first on the same machine, in the same job), results in $RES/fsdp8b-b
-                 [ -n "${FSDP8B_RECIPES_B:-}" ] && job="$job; echo PART fsdp8b-b; $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
+                 [ -n "${FSDP8B_RECIPES_B:-}" ] && job="$job; echo PART fsdp8b-b; $te_env $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
                    "$FSDP8B_RECIPES_B" $RES/fsdp8b-b llama-8b "${PROMPTS_8B:-32}") ${SET_8B_B:-} $c8";;
           rollout8b) V0=${ROLLOUT_GPU0:-fp8,fp8-row}; V1=${ROLLOUT_GPU1:-fp8-row-kv,bf16}
                  A="--shape llama-8b --modes fp8rl --long-tokens 0 --profile-tokens 128 ${ARGS:-}"

@@ -30,12 +30,24 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 
-@pytest.mark.parametrize(("backend", "precision"), [("torch", "bf16"), ("torch", "fp8"), ("te", "fp8")])
+BENCH_FLAGS = ("--activation-checkpointing", "--compile-elementwise")  # the 8B benchmark's trainer settings
+
+
+@pytest.mark.parametrize(
+    ("backend", "precision", "bench"),
+    [
+        pytest.param("torch", "bf16", False, id="torch-bf16"),
+        pytest.param("torch", "fp8", False, id="torch-fp8"),
+        pytest.param("te", "fp8", False, id="te-fp8"),
+        pytest.param("te", "fp8", True, id="te-fp8-bench"),
+    ],
+)
 def test_sharded_trainer_on_cuda_matches_the_replicated_one(
-    tiny_models: dict[str, Path], tmp_path: Path, backend: str, precision: str
+    tiny_models: dict[str, Path], tmp_path: Path, backend: str, precision: str, bench: bool
 ) -> None:
     """``te``: the TransformerEngine trainer (te.Linear under te.autocast, block scaling) sharded the same way:
-    FSDP2 gathers the bf16 weights its te.Linear layers read (the config refuses TE with FSDP until this passes)."""
+    FSDP2 gathers the bf16 weights its te.Linear layers read.  ``bench``: both sides with the 8B benchmark's
+    activation checkpointing and compiled elementwise parts (TE's layers recomputed in the backward)."""
     from sharded_trainer_worker import fixed_batch
 
     from fp8rl.config import GRPOConfig
@@ -54,14 +66,15 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(ROOT / "tests/integration/sharded_trainer_worker.py"), str(model), str(tmp_path), "--precision",
-           precision, "--device", "cuda", "--backend", backend]  # fmt: skip
+           precision, "--device", "cuda", "--backend", backend, *(BENCH_FLAGS if bench else ())]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "result.pt", weights_only=False)
     batch, adv, old, mask = fixed_batch()
 
     def replicated() -> tuple[TorchTrainer, list[dict[str, float]]]:
-        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, backend=backend)
+        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, backend=backend,
+                              activation_checkpointing=bench, compile_elementwise=bench)  # fmt: skip
         t = trainer_class(model, opts, device="cuda")
         return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
 
