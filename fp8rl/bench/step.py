@@ -376,7 +376,15 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
     if gaps:
         lines += ["", "The compute stream's idle time between kernels in that step, by gap size (and the gaps of 1 ms "
                   "or more by the kind of kernel that ended each):", "", *gaps]  # fmt: skip
+    tops = [_top_other_line(r) for r in profiled if r.train_top_other_ms]
+    if tops:
+        lines += ["", 'The "other" kernels that took the most time in that step (ms, launches):', "", *tops]
     return lines + _quantize_table(profiled)
+
+
+def _top_other_line(r: ThroughputResult) -> str:
+    ms, calls = r.train_top_other_ms or {}, r.train_top_other_calls or {}
+    return f"- {r.recipe}: " + "; ".join(f"`{k}` {v:,.0f} ({calls.get(k, 0):,.0f})" for k, v in ms.items())
 
 
 def _gap_line(r: ThroughputResult) -> str:

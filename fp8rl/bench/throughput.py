@@ -46,6 +46,8 @@ from fp8rl.train.step_profile import (
     QUANT_CALLS_PREFIX,
     QUANT_MS_PREFIX,
     QUANT_UNPAIRED,
+    TOP_OTHER_CALLS_PREFIX,
+    TOP_OTHER_MS_PREFIX,
 )
 from fp8rl.train.step_profile import METRIC_PREFIX as STEP_PROFILE_PREFIX
 from fp8rl.train.step_profile import WALL_KEY as STEP_PROFILE_WALL
@@ -129,6 +131,10 @@ class ThroughputResult:
     # of that idle time, the ms during which a collective (NCCL) ran on another stream: the compute stream waiting on
     # communication, not on the host (several trainer ranks only)
     train_gap_ms_during_collective: float | None = None
+    # CUDA: the "other" kernels (neither GEMM, attention, FP8 quantization, optimizer nor NCCL) that took the most time
+    # in that step, ms and launches by fp8rl.train.step_profile.kernel_label
+    train_top_other_ms: dict[str, float] | None = None
+    train_top_other_calls: dict[str, float] | None = None
     # --profile-train: why the profiled step failed (its recipe's timed numbers stand; the CLI exits non-zero)
     train_profile_error: str | None = None
 
@@ -313,6 +319,8 @@ def _profiled_step(
         "train_gap_ms": under(GAP_MS_PREFIX) or None, "train_gaps": under(GAPS_PREFIX) or None,
         "train_gap_ms_before": under(GAP_BEFORE_PREFIX) or None,
         "train_gap_ms_during_collective": metrics.get("train/" + GAP_DURING_COLLECTIVE),
+        "train_top_other_ms": under(TOP_OTHER_MS_PREFIX) or None,
+        "train_top_other_calls": under(TOP_OTHER_CALLS_PREFIX) or None,
     }  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -47,6 +48,9 @@ GAP_MS_PREFIX, GAPS_PREFIX, GAP_BEFORE_PREFIX = "profile/gap_ms/", "profile/gaps
 # the part of that idle time during which a collective (an NCCL kernel, on any stream) was running: the compute stream
 # waiting on communication (FSDP2's reduce-scatters and all-gathers) rather than on the host
 GAP_DURING_COLLECTIVE = "profile/gap_ms_during/collective"
+# CUDA: the kernels of the "other" category (what FP8 does not speed up: norms, RoPE, casts, copies, the loss) that took
+# the most device time, ms and launches by ``kernel_label``: where fusing would pay
+TOP_OTHER_MS_PREFIX, TOP_OTHER_CALLS_PREFIX, TOP_OTHER = "profile/top_other_ms/", "profile/top_other_calls/", 15
 GAP_BUCKETS = ((0.01, "under_10us"), (0.1, "10us_to_0.1ms"), (1.0, "0.1_to_1ms"), (math.inf, "1ms_and_more"))
 
 # (category, lowercase substrings of a kernel's or op's name); the first match wins, the rest is "other"
@@ -62,6 +66,38 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 def category(name: str) -> str:
     low = name.lower()
     return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+# words of a CUDA kernel's C++ name that say nothing about what it computes (namespaces, argument types)
+_LABEL_NOISE = frozenset({
+    "void", "at", "native", "c10", "std", "anonymous", "namespace", "detail", "ul", "array", "char", "int",
+    "unsigned", "long", "const", "cuda", "impl", "gpu", "TensorIteratorBase", "OpaqueType",
+})  # fmt: skip
+
+
+def kernel_label(name: str, width: int = 120) -> str:
+    """A kernel's name shortened to what tells kernels apart (PyTorch's templated elementwise kernels by their functor
+    and dtypes), in letters, digits, '_' and '.' only (an MLflow metric name): its identifiers in order, each once,
+    without namespaces and argument types."""
+    words: list[str] = []
+    for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        if w not in _LABEL_NOISE and w not in words:
+            words.append(w)
+    return ".".join(words)[:width] or "unnamed"
+
+
+def top_kernels(prof: Any, cat: str = "other", n: int = TOP_OTHER) -> dict[str, float]:
+    """The ``n`` labels (``kernel_label``) of category ``cat`` whose kernels took the most device time: their ms
+    (``TOP_OTHER_MS_PREFIX``) and launches (``TOP_OTHER_CALLS_PREFIX``)."""
+    ms: dict[str, float] = {}
+    calls: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0 and category(e.key) == cat:
+            label = kernel_label(e.key)
+            ms[label] = ms.get(label, 0.0) + e.self_device_time_total / 1e3
+            calls[label] = calls.get(label, 0.0) + float(e.count)
+    top = sorted(ms, key=lambda k: -ms[k])[:n]
+    return {**{TOP_OTHER_MS_PREFIX + k: ms[k] for k in top}, **{TOP_OTHER_CALLS_PREFIX + k: calls[k] for k in top}}
 
 
 def device_ms_by_category(prof: Any, on_cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
@@ -118,6 +154,7 @@ class StepProfile:
         if on_cuda:
             out.update(quantize_ms_by_launch(prof, launches))
             out.update(compute_stream_gaps(prof))
+            out.update(top_kernels(prof))
 
 
 def quantize_ms_by_launch(prof: Any, launches: list[tuple[str, str]]) -> dict[str, float]:

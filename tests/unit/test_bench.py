@@ -321,6 +321,14 @@ def test_step_report_lists_the_quantization_kernels_by_launch_with_their_bandwid
     )
     _, md = report([dataclasses.replace(fp8, train_gap_ms_during_collective=850.0)], {"model": "llama-1b"})
     assert "before other 900 ms, gemm 300 ms; 850 ms of it while a collective ran" in md
+    assert '"other" kernels' not in md  # none reported
+    top = {"vectorized_elementwise_kernel.CUDAFunctor_add.float": 1500.0, "CatArrayBatchedCopy": 300.0}
+    fp8 = dataclasses.replace(fp8, train_top_other_ms=top, train_top_other_calls={"CatArrayBatchedCopy": 64.0})
+    _, md = report([fp8], {"model": "llama-1b"})
+    assert (
+        "- fp8-e2e: `vectorized_elementwise_kernel.CUDAFunctor_add.float` 1,500 (0); `CatArrayBatchedCopy` 300 (64)"
+        in md
+    )
 
 
 @pytest.mark.parametrize("verify", [False, True])

@@ -143,3 +143,34 @@ def test_stream_gaps_are_summed_by_size_and_the_long_ones_by_the_kernel_after_th
     nccl = [(4_000.0, 4_600.0), (4_500.0, 5_000.0), (2_900.0, 3_200.0), (0.0, 900.0)]
     assert stream_gaps(kernels, nccl)[GAP_DURING_COLLECTIVE] == pytest.approx(1.0 + 0.1)
     assert stream_gaps(kernels, [(8_000.0, 9_000.0)])[GAP_DURING_COLLECTIVE] == 0.0
+
+
+def test_the_other_kernels_are_labelled_by_what_they_compute_and_the_longest_reported() -> None:
+    from types import SimpleNamespace
+
+    from fp8rl.train.step_profile import TOP_OTHER_CALLS_PREFIX, TOP_OTHER_MS_PREFIX, kernel_label, top_kernels
+
+    mul_bf16 = (
+        "void at::native::vectorized_elementwise_kernel<8, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, "
+        "c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, "
+        "at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, "
+        "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul>)"
+    )
+    add_f32 = (
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >"
+    )
+    label = kernel_label(mul_bf16)
+    # the functor and dtypes survive, namespaces and argument types go, each word once; a metric-safe name
+    assert label == "vectorized_elementwise_kernel.BinaryFunctor.BFloat16.binary_internal.MulFunctor.float"
+    assert kernel_label(add_f32) == "vectorized_elementwise_kernel.CUDAFunctor_add.float"
+    assert kernel_label("<>") == "unnamed" and len(kernel_label("x" * 500)) == 120
+
+    def avg(key: str, us: float, count: int) -> SimpleNamespace:
+        return SimpleNamespace(key=key, self_device_time_total=us, count=count)
+
+    events = [avg(mul_bf16, 3_000.0, 10), avg(add_f32, 5_000.0, 4), avg(add_f32 + " ", 1_000.0, 1),
+              avg("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN", 9_000.0, 2), avg("idle", 0.0, 1)]  # fmt: skip
+    got = top_kernels(SimpleNamespace(key_averages=lambda: events), n=1)
+    add = kernel_label(add_f32)  # two names with one label are summed; GEMMs are not "other"; n=1 keeps the longest
+    assert got == {TOP_OTHER_MS_PREFIX + add: 6.0, TOP_OTHER_CALLS_PREFIX + add: 5.0}
+    assert len(top_kernels(SimpleNamespace(key_averages=lambda: events))) == 4
