@@ -14,7 +14,8 @@ A Ray trainer group reports one rank's profile, the rank with the most non-NCCL 
 
 On CUDA the profile also says when the compute stream waited (``stream_gaps``): its idle time between kernels by gap
 size, and the long gaps by the kind of kernel that ended each.  Many short gaps point at the host launching slower than
-the GPU runs; a few long ones at waits (a host read of a device value, another stream's collective).
+the GPU runs; a few long ones at waits (a host read of a device value, another stream's collective), and how much of
+the idle time a collective ran says which.  And it names the "other" kernels that took the most time (``top_kernels``).
 """
 
 from __future__ import annotations
