@@ -173,10 +173,10 @@ class OptimConfig(_Strict):
     # and free the bf16 copy, their cached FP8 copies serve every micro-batch (fp8rl.train.trainer). false: FSDP2's
     # default, a gather per forward and per backward
     fp8_gather_once: bool = True
-    # FSDP2 (ray.trainer_sharding fsdp): accumulate the micro-batches' gradients unsharded in fp32 on every rank (FSDP2's
-    # accumulators: 4 bytes a parameter of the whole model, Megatron's gradient buffer) and reduce-scatter them once a
-    # step, in the last micro-batch's backward, instead of after every micro-batch: 1/N of the reduce-scatter traffic,
-    # and no layer's backward waits on the previous layer's reduce-scatter in the others
+    # FSDP2 (ray.trainer_sharding fsdp): accumulate the micro-batches' gradients unsharded in fp32 on every rank
+    # (FSDP2's accumulators: 4 bytes a parameter of the whole model, Megatron's gradient buffer) and reduce-scatter them
+    # once a step, in the last micro-batch's backward, instead of after every micro-batch: 1/N of the reduce-scatter
+    # traffic, and no layer's backward waits on the previous layer's reduce-scatter in the others
     reduce_grads_once: bool = False
     # the decoder layers replayed as CUDA graphs (fp8rl.train.graphs; torch trainer on a GPU, not sharded):
     # micro-batches padded to widths in steps of cuda_graph_width and the rows the token budget gives there,
@@ -394,6 +394,11 @@ class RunConfig(_Strict):
         if self.recipe.kv_cache == "fp8" and self.rollout.engine != "vllm":
             raise ValueError(
                 "recipe.kv_cache 'fp8' needs rollout.engine 'vllm' (the torch engine keeps a bf16 KV cache)"
+            )
+        if self.recipe.te_recipe == "delayed" and self.optim.activation_checkpointing:
+            raise ValueError(
+                "recipe.te_recipe 'delayed' (DelayedScaling) cannot be combined with optim.activation_checkpointing: "
+                "the recompute would update its amax history a second time (use te_recipe 'auto')"
             )
         if self.optim.reduce_grads_once and (self.ray is None or self.ray.trainer_sharding != "fsdp"):
             raise ValueError(

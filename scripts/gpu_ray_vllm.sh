@@ -136,7 +136,8 @@ case $step in
     elif [ "$step" = x2 ]; then
       job="nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; true"
       # with te in X2: torch's cuDNN first for TE (TE's README: the image's older one in /usr/lib otherwise wins), in
-      # the te part's tests and in the 8B benchmark (its recipes may train with TE: docs/configs/fp8-e2e-te.yaml)
+      # the te part's tests and in the 8B benchmark, every recipe of it (so that one may train with TE:
+      # docs/configs/fp8-e2e-te.yaml; the BF16 baseline then runs with the same libraries)
       te_env=""
       case " ${X2:-} " in *" te "*) sp=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
         te_env="CUDNN_HOME=$sp/nvidia/cudnn LD_LIBRARY_PATH=$sp/nvidia/cudnn/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}";; esac
@@ -147,7 +148,7 @@ case $step in
           # them in one process the replicated reference's grad norm moved 3e-4, the sharded subprocess did not)
           # with te in X2, the te part runs the TE case (its cuDNN set up); here TE may be half installed
           tests) te_case="tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8"
-                 case " ${X2:-} " in *" te "*) te_case="--deselect $te_case] --deselect $te_case-bench]";; *) te_case="";; esac
+                 case " ${X2:-} " in *" te "*) te_case="--deselect '$te_case]' --deselect '$te_case-bench]'";; *) te_case="";; esac
                  job="$job; python3 -m pytest -q -rA -p no:cacheprovider $te_case \
                    ${TESTS_TRAINER:-tests/gpu/test_sharded_trainer_cuda.py tests/gpu/test_optimizer_offload_cuda.py} \
                    > $RES/pytest_x2_trainer.log 2>&1; \
@@ -155,9 +156,8 @@ case $step in
                    $([ "${TESTS_RAY:-}" = none ] || echo "python3 -m pytest -q -rA -p no:cacheprovider \
                    ${TESTS_RAY:-tests/gpu/test_ray_vllm.py} > $RES/pytest_x2.log 2>&1;") grep -h '^step \|sharded\|moments\|passed\|failed' \
                    $RES/pytest_x2_trainer.log $RES/pytest_x2_extra.log $RES/pytest_x2.log 2>/dev/null | cut -c1-240";;
-          # te (not in the default; after te-part): the TE trainer sharded over both GPUs (the config refuses
-          # ray.trainer_sharding fsdp with recipe.trainer te until this passes); cuDNN of torch's wheel first (TE's
-          # README: the image's older one in /usr/lib otherwise wins)
+          # te (not in the default; after te-part): the TE trainer sharded over both GPUs, plain and with the 8B
+          # benchmark's settings, against the replicated TE trainer (te_env: torch's cuDNN first)
           te) W=transformer_engine/wheel_lib
                  job="$job; echo PART te; if [ ! -e /tmp/site/$W/transformer_engine_torch*.so ]; then \
                    while [ -e /tmp/build_te.pid ] && ! grep -q BUILD_SECONDS /tmp/build_te.log; do sleep 5; done; \

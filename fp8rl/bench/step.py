@@ -384,7 +384,8 @@ def _profile_table(results: Sequence[ThroughputResult]) -> list[str]:
 
 def _top_other_line(r: ThroughputResult) -> str:
     ms, calls = r.train_top_other_ms or {}, r.train_top_other_calls or {}
-    return f"- {r.recipe}: " + "; ".join(f"`{k}` {v:,.0f} ({calls.get(k, 0):,.0f})" for k, v in ms.items())
+    top = sorted(ms.items(), key=lambda t: -t[1])
+    return f"- {r.recipe}: " + "; ".join(f"`{k}` {v:,.0f} ({calls.get(k, 0):,.0f})" for k, v in top)
 
 
 def _gap_line(r: ThroughputResult) -> str:

@@ -46,8 +46,9 @@ WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profi
 # ms and how many; and the gaps of 1 ms or more by the category of the kernel that ends each (what the stream waited to
 # start: e.g. a micro-batch's first kernels after a host read, or a kernel waiting on another stream's collective)
 GAP_MS_PREFIX, GAPS_PREFIX, GAP_BEFORE_PREFIX = "profile/gap_ms/", "profile/gaps/", "profile/gap_ms_before/"
-# the part of that idle time during which a collective (an NCCL kernel, on any stream) was running: the compute stream
-# waiting on communication (FSDP2's reduce-scatters and all-gathers) rather than on the host
+# the part of that idle time during which a collective (an NCCL kernel, on any stream) was running: an upper bound on the
+# compute stream waiting on communication (FSDP2's reduce-scatters and all-gathers) rather than on the host (a host
+# launch gap while an asynchronous collective runs counts too)
 GAP_DURING_COLLECTIVE = "profile/gap_ms_during/collective"
 # CUDA: the kernels of the "other" category (what FP8 does not speed up: norms, RoPE, casts, copies, the loss) that took
 # the most device time, ms and launches by ``kernel_label``: where fusing would pay
@@ -58,7 +59,21 @@ GAP_BUCKETS = ((0.01, "under_10us"), (0.1, "10us_to_0.1ms"), (1.0, "0.1_to_1ms")
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_", "aten::mm", "aten::addmm", "aten::bmm")),
-    ("fp8_quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel")),
+    # fp8rl's Triton kernels, then TransformerEngine's (cast + transpose, block quantization, amax)
+    (
+        "fp8_quantize",
+        (
+            "_groups_kernel",
+            "_tiles_kernel",
+            "_rows_kernel",
+            "_cast_tensor",
+            "_amax_kernel",
+            "cast_transpose",
+            "quantize_transpose",
+            "block_scaled_1d",
+            "compute_amax",
+        ),
+    ),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("nccl", ("nccl",)),
 )

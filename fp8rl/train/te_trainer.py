@@ -31,6 +31,8 @@ layers (docs/te.md, docs/benchmarks.md).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -90,6 +92,15 @@ def te_linear_from(te: Any, name: str, linear: nn.Linear) -> nn.Module:
     return new
 
 
+@contextmanager
+def _entered(*contexts: AbstractContextManager[Any]) -> Iterator[None]:
+    """One context manager entering ``contexts`` in order (and leaving them in reverse)."""
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
 class TETrainer(TorchTrainer):
     """``TorchTrainer`` with TransformerEngine linears; ``opts.backend`` is ``te`` (``fp8rl.loop.build_trainer``).
 
@@ -107,10 +118,24 @@ class TETrainer(TorchTrainer):
             apply_te_env(self.te_recipe_desc)
         self.te = require_te(str(device), self.te_recipe_desc)
         self.te_recipe = None if self.te_recipe_desc is None else build_te_recipe(self.te_recipe_desc)
+        if opts.activation_checkpointing and opts.te_recipe == "delayed":
+            raise TERecipeError(
+                "te_recipe 'delayed' (DelayedScaling) cannot be combined with activation checkpointing: its recompute "
+                "would update the amax history a second time; use te_recipe 'auto' or turn checkpointing off"
+            )
         self.te_modules: list[str] = []
         super().__init__(model, opts, device)
 
     # ---- backend hooks -------------------------------------------------------------------------------
+    def _checkpoint_contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        """Activation checkpointing recomputes a layer in the backward, outside the forward's ``te.autocast``: the
+        recompute enters the same autocast, so TE's linears recompute in FP8 as the forward ran (TE's recipes here
+        keep no state between forwards, but DelayedScaling, which ``__init__`` refuses with checkpointing)."""
+        first, recompute = super()._checkpoint_contexts()
+        if self.te_recipe is None:  # te-BF16: no autocast in the forward either
+            return first, recompute
+        return first, _entered(recompute, self.te.autocast(enabled=True, recipe=self.te_recipe))
+
     def _convert_linears(self) -> list[str]:
         """Swap decoder linears for ``te.Linear``: for ``fp8`` those outside the recipe's BF16 layers (returned:
         they run in FP8), for ``bf16`` all of them (te-BF16; returns none)."""

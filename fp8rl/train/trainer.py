@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +109,7 @@ class TorchTrainer:
         if opts.activation_checkpointing:
             # checkpoint_contexts: the FP8 linears skip, in a layer's first forward, the copies only its backward reads
             self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
             )
         self.optimizer: MasterWeightAdamW | ShardedAdamW
         self._gather_once_units: list[Any] = []  # FSDP2 units left unsharded between weight versions (_shard)
@@ -227,6 +227,10 @@ class TorchTrainer:
         layer's module attributes are the gathered parameters, whose FP8 linears' storage is released."""
         for unit in self._gather_once_units:
             unit.reshard()
+
+    def _checkpoint_contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        """The ``context_fn`` of the activation checkpointing: (a layer's first forward's, its recompute's)."""
+        return checkpoint_contexts()
 
     def _reduce_grads_now(self, last: bool) -> None:
         """``reduce_grads_once`` (FSDP2): the next backward reduce-scatters its gradients only if it is the step's

@@ -72,11 +72,20 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     got = torch.load(tmp_path / "result.pt", weights_only=False)
     batch, adv, old, mask = fixed_batch()
 
-    def replicated() -> tuple[TorchTrainer, list[dict[str, float]]]:
+    def replicated(checkpointing: bool = bench, compiled: bool = bench) -> tuple[TorchTrainer, list[dict[str, float]]]:
         opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, backend=backend,
-                              activation_checkpointing=bench, compile_elementwise=bench)  # fmt: skip
+                              activation_checkpointing=checkpointing, compile_elementwise=compiled)  # fmt: skip
         t = trainer_class(model, opts, device="cuda")
         return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
+
+    if bench:  # a checkpointed layer's recompute runs as its forward ran (for TE: under the same FP8 autocast)
+        plain, recomputed = replicated(False, False)[1], replicated(True, False)[1]
+        for a, b in zip(plain, recomputed, strict=True):
+            print(f"checkpointed vs not: loss {b['loss']!r} vs {a['loss']!r}, grad norm {b['grad_norm']!r} vs "
+                  f"{a['grad_norm']!r}")  # fmt: skip
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(
+                a["grad_norm"], rel=1e-5
+            )
 
     # the replicated trainer twice: how far two runs of the same thing land apart on this GPU (its kernels'
     # own nondeterminism); the sharded run may differ by 1e-4 relative plus ten times that

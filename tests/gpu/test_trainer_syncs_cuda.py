@@ -59,7 +59,7 @@ def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Pa
 def test_sharded_fp8_step_syncs_do_not_grow_with_micro_batches(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """The same under the 8B benchmark's trainer: FSDP2 over the GPUs (NCCL, at most two), FP8 with each layer
     gathered once per step, activation checkpointing and the compiled elementwise parts. Rank 0 runs its 8 rows as
-    two micro-batches and as eight, rank 1 its 2 rows as one and as two; the second step is compared (the first
+    two micro-batches and as eight, rank 1 its 2 rows padded to as many; the second step is compared (the first
     compiles and initialises)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89+")

@@ -24,8 +24,9 @@ from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, bui
 ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20
 
 
-def fixed_batch() -> tuple[SequenceBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """10 rows of prompts + responses, advantages, old logprobs and a loss mask (rows 8-9 masked out)."""
+def fixed_batch(loss_on_every_rank: bool = False) -> tuple[SequenceBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """10 rows of prompts + responses, advantages, old logprobs and a loss mask (rows 8-9 masked out, unless
+    ``loss_on_every_rank``: then rank 1's rows have loss tokens too)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (PROMPT - i % 3,), generator=g).tolist() for i in range(ROWS)]
     responses = torch.randint(3, VOCAB, (ROWS, RESPONSE), generator=g)
@@ -35,7 +36,8 @@ def fixed_batch() -> tuple[SequenceBatch, torch.Tensor, torch.Tensor, torch.Tens
     advantages = torch.randn(ROWS, generator=g)
     old = -torch.rand(ROWS, RESPONSE, generator=g) * 3
     loss_mask = mask.clone()
-    loss_mask[8:] = 0  # the only micro-batch of rank 1 (rows 8-9): no loss tokens
+    if not loss_on_every_rank:
+        loss_mask[8:] = 0  # the only micro-batch of rank 1 (rows 8-9): no loss tokens
     return batch, advantages, old, loss_mask
 
 
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--count-syncs", action="store_true", help="record each rank's synchronisations (CUDA)")
     ap.add_argument("--reduce-grads-once", action="store_true", help="TrainerOptions.reduce_grads_once=True")
+    ap.add_argument("--loss-on-every-rank", action="store_true", help="fixed_batch(loss_on_every_rank=True)")
     args = ap.parse_args()
     gathers, scatters = _count_calls("all_gather_into_tensor"), _count_calls("reduce_scatter_tensor")
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
@@ -110,7 +113,7 @@ def main() -> None:
         trainer = TorchTrainer(args.model, opts, device=device)
     if args.resume:
         trainer.load_state_dict(torch.load(args.resume, weights_only=False))
-    batch, adv, old, mask = fixed_batch()
+    batch, adv, old, mask = fixed_batch(args.loss_on_every_rank)
     rows = rank_rows(rank, world)
     totals = policy_batch_totals(mask)
     # FP8 KV-cache scales before any forward (the FSDP state is not initialised yet) and after the steps

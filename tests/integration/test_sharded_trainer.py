@@ -37,11 +37,13 @@ def _sharded(model: Path, out: Path, *extra: str) -> dict:
     return torch.load(out / "result.pt", weights_only=False)
 
 
-def _replicated(model: Path, precision: str, steps: int, state: dict | None = None) -> tuple[TorchTrainer, list]:
+def _replicated(
+    model: Path, precision: str, steps: int, state: dict | None = None, loss_on_every_rank: bool = False
+) -> tuple[TorchTrainer, list]:
     trainer = TorchTrainer(model, TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4))
     if state is not None:
         trainer.load_state_dict(state)
-    batch, adv, old, mask = fixed_batch()
+    batch, adv, old, mask = fixed_batch(loss_on_every_rank)
     history = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(steps)]
     return trainer, history
 
@@ -176,17 +178,19 @@ def test_reduce_grads_once_changes_the_reduce_scatters_not_the_step(
     """``optim.reduce_grads_once``: the micro-batches' gradients accumulate unsharded in fp32 and are reduce-scattered
     once a step, in the last micro-batch's backward; each rank's gradient shard is the same sum in another order, so
     the run lands where the run that reduce-scatters every micro-batch lands (losses equal, grad norms to 1e-6, the
-    weights to a bf16 rounding step). Rank 0 runs two micro-batches a step, rank 1 one and a padding one."""
+    weights to a bf16 rounding step). Rank 0 runs two micro-batches a step, rank 1 one and a padding one, both with
+    loss tokens (so the reduce-scatter sums two ranks' accumulated gradients)."""
     model = tiny_models["tiny"]
-    once = _sharded(model, tmp_path / "once", "--precision", precision, "--reduce-grads-once")
-    every = _sharded(model, tmp_path / "every", "--precision", precision)
+    flags = ("--precision", precision, "--loss-on-every-rank")
+    once = _sharded(model, tmp_path / "once", *flags, "--reduce-grads-once")
+    every = _sharded(model, tmp_path / "every", *flags)
     units = TorchTrainer(model, TrainerOptions()).model.config.num_hidden_layers + 1  # the layers and the root
     for a, b in zip(every["history"], once["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-9)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
         assert a["reduce_scatters"] == 2 * units and b["reduce_scatters"] == units, (a, b)
     _assert_same_weights(once["weights"], every["weights"])
-    trainer, history = _replicated(model, precision, 2)  # and where the replicated trainer lands
+    trainer, history = _replicated(model, precision, 2, loss_on_every_rank=True)  # and where the replicated one lands
     for a, b in zip(history, once["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-8)
     _assert_same_weights(once["weights"], {k: v.cpu() for k, v in trainer.hf_state_dict().items()})

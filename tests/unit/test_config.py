@@ -136,6 +136,11 @@ def test_trainer_sharding_is_a_ray_setting_for_either_trainer() -> None:
     for ray in ({}, {"ray": {}}):
         with pytest.raises(ConfigError, match=r"optim.reduce_grads_once applies to ray.trainer_sharding 'fsdp'"):
             parse_run_config({"recipe": E2E, "optim": once, **ray})
+    # TE's DelayedScaling keeps an amax history, which a checkpointed layer's recompute would update twice
+    delayed = {**E2E, "trainer": "te", "te_recipe": "delayed", "quant": {"granularity": "tensor"}}
+    assert parse_run_config({"recipe": delayed}).recipe.te_recipe == "delayed"
+    with pytest.raises(ConfigError, match=r"te_recipe 'delayed' .* optim.activation_checkpointing"):
+        parse_run_config({"recipe": delayed, "optim": {"activation_checkpointing": True}})
     with pytest.raises(ConfigError, match=r"trainer_sharding"):
         parse_run_config({"recipe": E2E, "ray": {"trainer_sharding": "zero3"}})
 

@@ -24,6 +24,7 @@ from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
         ("nvjet_sm90_tst_192x192_64x4_1x2_h_bz_coopB_TNN", "gemm"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128", "attention"),
         ("_groups_kernel", "fp8_quantize"),
+        ("void transformer_engine::detail::cast_transpose_general_kernel<128u, float, __nv_bfloat16>", "fp8_quantize"),
         ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
         ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
         ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "other"),
