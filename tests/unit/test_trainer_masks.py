@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -100,3 +102,29 @@ def test_causal_padding_mask_is_causal_and_hides_padded_keys() -> None:
     assert m.shape == (2, 1, 3, 3) and m.dtype == torch.bool
     assert m[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     assert m[0, 0].tolist() == [[False, False, False], [False, True, False], [False, True, True]]
+
+
+def test_a_backend_sets_the_context_of_its_checkpointed_layers_recompute(tiny_models: dict[str, Path]) -> None:
+    """``TorchTrainer._checkpoint_contexts`` is what HF's checkpointing calls for every checkpointed layer: a backend
+    overriding it (the TE trainer enters its FP8 autocast for the recompute, which runs in the backward) has its
+    recompute context entered once per layer and forward, during the backward, and its first-forward one before."""
+    events: list[str] = []
+
+    @contextmanager
+    def marked(inner: AbstractContextManager[None], name: str) -> Iterator[None]:
+        events.append(name)
+        with inner:
+            yield
+
+    class Marked(TorchTrainer):
+        def _checkpoint_contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+            first, recompute = super()._checkpoint_contexts()
+            return marked(first, "first"), marked(recompute, "recompute")
+
+    trainer = Marked(tiny_models["small"], TrainerOptions(precision="fp8", activation_checkpointing=True))
+    layers = trainer.model.config.num_hidden_layers
+    b = next(iter(_batches().values()))
+    logits = trainer._logits(b.input_ids, *trainer._model_inputs(b))
+    assert events == ["first"] * layers
+    logits.float().square().mean().backward()
+    assert events == ["first"] * layers + ["recompute"] * layers
