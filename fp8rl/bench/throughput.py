@@ -128,8 +128,8 @@ class ThroughputResult:
     train_gap_ms: dict[str, float] | None = None
     train_gaps: dict[str, float] | None = None
     train_gap_ms_before: dict[str, float] | None = None
-    # of that idle time, the ms during which a collective (NCCL) ran on another stream: the compute stream waiting on
-    # communication, not on the host (several trainer ranks only)
+    # of that idle time, the ms during which a collective (NCCL) ran on another stream: at most what the compute stream
+    # waited on communication rather than on the host (several trainer ranks only)
     train_gap_ms_during_collective: float | None = None
     # CUDA: the "other" kernels (neither GEMM, attention, FP8 quantization, optimizer nor NCCL) that took the most time
     # in that step, ms and launches by fp8rl.train.step_profile.kernel_label

@@ -232,12 +232,17 @@ class TorchTrainer:
         """The ``context_fn`` of the activation checkpointing: (a layer's first forward's, its recompute's)."""
         return checkpoint_contexts()
 
-    def _reduce_grads_now(self, last: bool) -> None:
-        """``reduce_grads_once`` (FSDP2): the next backward reduce-scatters its gradients only if it is the step's
-        last; an earlier one adds them to FSDP2's unsharded fp32 accumulators, which the last one reduce-scatters.
-        Every rank runs the same number of micro-batches (``MicroBatcher.slices``), so the collectives match."""
-        if self.sharded and self.opts.reduce_grads_once:
-            self.model.set_requires_gradient_sync(last)
+    def _update_slices(self, batch: SequenceBatch) -> Iterator[slice]:
+        """The micro-batches of an optimizer step.  ``reduce_grads_once`` (FSDP2): before each, its backward is told
+        whether to reduce-scatter -- only the last's does; the earlier ones add their gradients to FSDP2's unsharded
+        fp32 accumulators, which the last one reduce-scatters.  Every rank runs the same number of micro-batches
+        (``MicroBatcher.slices``), so the collectives match."""
+        slices = self.micro.slices(batch)
+        once = self.sharded and self.opts.reduce_grads_once
+        for i, sl in enumerate(slices):
+            if once:
+                self.model.set_requires_gradient_sync(i == len(slices) - 1)
+            yield sl
 
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:
         """A forward of ``MicroBatcher.padding_batch``: every token it computes is waste (counted computed, not valid)."""
@@ -377,9 +382,7 @@ class TorchTrainer:
         sums: torch.Tensor | None = None
         self._tokens = [0.0, 0.0]
         self.step_memory.start()
-        slices = self.micro.slices(batch)
-        for i, sl in enumerate(slices):
-            self._reduce_grads_now(last=i == len(slices) - 1)
+        for sl in self._update_slices(batch):
             mb_mask = loss_mask[sl]
             if float(mb_mask.sum()) == 0:
                 if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
@@ -432,9 +435,7 @@ class TorchTrainer:
             dist.all_reduce(count)
         total = float(count.clamp(min=1))
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)  # read back once (as policy_step)
-        slices = self.micro.slices(batch)
-        for i, sl in enumerate(slices):
-            self._reduce_grads_now(last=i == len(slices) - 1)
+        for sl in self._update_slices(batch):
             lp = self._response_logprobs(batch.slice(sl), 1.0) if sl.stop else self._padding_pass(batch, 1.0)
             loss = -(lp.sum()) / total
             loss.backward()
