@@ -13,7 +13,10 @@ reduction (``MixedPrecisionPolicy``), the gradient SUMMED across ranks as the re
 sums it.  Every rank must then make the same calls in the same order: forwards, backwards,
 ``hf_state_dict``, ``state_dict`` and ``save_checkpoint`` are collectives.  FSDP2 reduce-scatters each
 micro-batch's gradients in its backward; with ``reduce_grads_once`` the micro-batches accumulate them unsharded in
-fp32 and the last one's backward reduce-scatters the sum (the replicated path's one reduction a step).
+fp32 and the last one's backward reduce-scatters the sum (the replicated path's one reduction a step).  Between the
+micro-batches of a step nothing waits for those reduce-scatters (only the last backward does, before the optimizer
+step), and the root unit (embeddings, final norm, lm_head) stays gathered from the step's first forward until the
+weights change: a micro-batch's forward starts while the previous one's gradients are still being reduced.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ class TorchTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
             )
         self.optimizer: MasterWeightAdamW | ShardedAdamW
-        self._gather_once_units: list[Any] = []  # FSDP2 units left unsharded between weight versions (_shard)
+        self._held_units: list[Any] = []  # FSDP2 units left unsharded between weight versions (_shard)
         if self.sharded:
             self._shard()
             self.optimizer = ShardedAdamW(
@@ -167,10 +170,17 @@ class TorchTrainer:
             units.append(unit)
             if once:
                 unit.set_reshard_after_backward(False, recurse=False)
-                self._gather_once_units.append(unit)
+                self._held_units.append(unit)
                 for m in fp8:
                     m.release_weight = True
-        units.append(fully_shard(self.model, mesh=mesh, mp_policy=mp))
+        # the root unit: FSDP2 gathers it in a forward and keeps it through the backward; left gathered after the
+        # backward too, the next micro-batch's forward starts without an all-gather (it would queue behind the
+        # previous backward's reduce-scatters on the one NCCL stream); 2 bytes a parameter of the embeddings and
+        # lm_head on every rank until the weights change, as the gather-once layers are held
+        root = fully_shard(self.model, mesh=mesh, mp_policy=mp)
+        root.set_reshard_after_backward(False, recurse=False)
+        self._held_units.append(root)
+        units.append(root)
         for unit in units:  # each rank's loss is its exact share of the global loss: SUM, no division
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
@@ -219,13 +229,14 @@ class TorchTrainer:
                     m.refresh_weight()
                 else:
                     m.weights_changed()
-        self._reshard_gather_once()
+        self._reshard_held()
 
-    def _reshard_gather_once(self) -> None:
-        """``fp8_gather_once``: put the layers left unsharded back to their shards (the next forward gathers
-        again). Before new weights, and before anything reads the parameters outside a forward: an unsharded
-        layer's module attributes are the gathered parameters, whose FP8 linears' storage is released."""
-        for unit in self._gather_once_units:
+    def _reshard_held(self) -> None:
+        """Put the units left unsharded (the root, and the layers of ``fp8_gather_once``) back to their shards (the
+        next forward gathers again). Before new weights, and before anything reads the parameters outside a
+        forward: an unsharded layer's module attributes are the gathered parameters, whose FP8 linears' storage
+        is released."""
+        for unit in self._held_units:
             unit.reshard()
 
     def _checkpoint_contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
@@ -233,15 +244,19 @@ class TorchTrainer:
         return checkpoint_contexts()
 
     def _update_slices(self, batch: SequenceBatch) -> Iterator[slice]:
-        """The micro-batches of an optimizer step.  ``reduce_grads_once`` (FSDP2): before each, its backward is told
-        whether to reduce-scatter -- only the last's does; the earlier ones add their gradients to FSDP2's unsharded
-        fp32 accumulators, which the last one reduce-scatters.  Every rank runs the same number of micro-batches
-        (``MicroBatcher.slices``), so the collectives match."""
+        """The micro-batches of an optimizer step.  Sharded (FSDP2), each one's backward is told whether it is the
+        step's last: only the last makes the compute stream wait for the pending reduce-scatters (FSDP2 otherwise
+        does at the end of every backward, so the next micro-batch's forward waited for the whole queue).
+        ``reduce_grads_once``: also whether to reduce-scatter -- only the last does; the earlier ones add their
+        gradients to FSDP2's unsharded fp32 accumulators, which the last one reduce-scatters.  Every rank runs the
+        same number of micro-batches (``MicroBatcher.slices``), each with a backward, so the collectives match."""
         slices = self.micro.slices(batch)
-        once = self.sharded and self.opts.reduce_grads_once
         for i, sl in enumerate(slices):
-            if once:
-                self.model.set_requires_gradient_sync(i == len(slices) - 1)
+            if self.sharded:
+                last = i == len(slices) - 1
+                self.model.set_is_last_backward(last)
+                if self.opts.reduce_grads_once:
+                    self.model.set_requires_gradient_sync(last)
             yield sl
 
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:
@@ -463,7 +478,7 @@ class TorchTrainer:
         """Each parameter's full bf16 tensor on this device, one at a time (sharded: a collective each)."""
         from torch.distributed.tensor import DTensor
 
-        self._reshard_gather_once()
+        self._reshard_held()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 full = p.full_tensor() if isinstance(p, DTensor) else p.detach()

@@ -1,4 +1,5 @@
-"""``optim.fp8_gather_once`` in one process: which FSDP2 units it applies to and what the FP8 linears cache.
+"""``optim.fp8_gather_once`` in one process: which FSDP2 units it applies to and what the FP8 linears cache; and what
+the sharded trainer tells FSDP2 before each micro-batch's backward.
 
 A one-rank gloo group runs real FSDP2 here (no communication); the two-rank runs that compare the numbers with and
 without it are ``tests/integration/test_sharded_trainer.py`` (CPU) and ``tests/gpu/test_sharded_trainer_cuda.py``.
@@ -39,8 +40,9 @@ def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path]
     trainer = TorchTrainer(tiny_models["tiny"], opts)
     layers = list(trainer.model.model.layers)
     assert not any(isinstance(m, FP8TrainLinear) for m in layers[0].modules())  # the BF16 first layer
-    # the FP8 layers, and only they, are left unsharded between weight versions; their FP8 linears release
-    assert trainer._gather_once_units == (layers[1:] if once else [])
+    # the FP8 layers, and only they, are left unsharded between weight versions (and the root unit, always); their
+    # FP8 linears release
+    assert trainer._held_units == (layers[1:] if once else []) + [trainer.model]
     fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
     assert fp8 and all(m.release_weight is once for m in fp8)
     batch, adv, old, mask = fixed_batch()
@@ -54,6 +56,30 @@ def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path]
     assert all(m._reference_weight is None for m in fp8)
     weights = trainer.hf_state_dict()
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("reduce_once", [False, True], ids=["every", "reduce-grads-once"])
+def test_only_the_last_micro_batch_backward_waits_for_the_reductions(
+    tiny_models: dict[str, Path], one_rank: None, reduce_once: bool
+) -> None:
+    """Before each micro-batch of a step FSDP2 is told whether its backward is the step's last (only that one makes
+    the compute stream wait for the pending reduce-scatters) and, with ``reduce_grads_once``, whether it
+    reduce-scatters; read at each micro-batch's forward, for a policy step and an SFT step of 10 rows in 4 + 4 + 2."""
+    opts = TrainerOptions(precision="bf16", sharding="fsdp", micro_batch_size=4, reduce_grads_once=reduce_once)
+    trainer = TorchTrainer(tiny_models["tiny"], opts)
+    seen: list[tuple[bool, bool]] = []
+
+    def record(*_: object) -> None:
+        state = trainer.model._get_fsdp_state()  # type: ignore[operator]
+        group = state._fsdp_param_group
+        seen.append((state._state_ctx.is_last_backward, group.reduce_grads))
+
+    trainer.model.register_forward_pre_hook(record)
+    batch, adv, old, mask = fixed_batch()
+    trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+    trainer.sft_step(batch)
+    per_step = [(False, not reduce_once), (False, not reduce_once), (True, True)]
+    assert seen == per_step * 2
 
 
 def test_reference_cache_only_where_the_weight_is_released() -> None:
