@@ -165,7 +165,7 @@ class OptimConfig(_Strict):
     # AdamW's two moments (8 bytes a parameter, over the ranks when sharded) in host memory between steps, copied
     # back for each step (fp8rl.train.optim.StateOffload): room for the colocated rollout engine, at two copies a step
     offload_optimizer_state: bool = False
-    # the decoder's RMSNorms and SiLU gate as torch.compile kernels, in every precision
+    # the decoder's RMSNorms, SiLU gate and rotary embedding as torch.compile kernels, in every precision
     # (fp8rl.train.compiled: Llama / Qwen2 / Qwen3 / Mistral modules; same math, fused)
     compile_elementwise: bool = False
     # FSDP2 (ray.trainer_sharding fsdp) with FP8 linears (torch trainer): gather each decoder layer's weights once

@@ -275,7 +275,7 @@ def _headline(meta: dict[str, Any]) -> str:
     if optim.get("micro_batch_tokens"):
         settings.append(f"{optim['micro_batch_tokens']}-token micro-batches")
     settings += [what for key, what in (("activation_checkpointing", "activation checkpointing"),
-                                        ("compile_elementwise", "compiled norms and SiLU gate"),
+                                        ("compile_elementwise", "compiled norms, SiLU gate and rotary embedding"),
                                         ("offload_optimizer_state", "AdamW state offloaded")) if optim.get(key)]  # fmt: skip
     if ray and ray.get("trainer_sharding") == "fsdp" and optim.get("fp8_gather_once"):
         settings.append("FP8 layers gathered once per step")

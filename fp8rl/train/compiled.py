@@ -1,4 +1,4 @@
-"""Compiled elementwise parts of the decoder (``optim.compile_elementwise``): RMSNorm and the SiLU gate.
+"""Compiled elementwise parts of the decoder (``optim.compile_elementwise``): RMSNorm, the SiLU gate, the rotary embedding.
 
 Once the FP8 GEMMs are fast, a decoder layer's step is bounded by what is not a GEMM: HF's RMSNorm is
 five kernels forward (upcast, square-mean, rsqrt-multiply, downcast, weight multiply) and more backward,
@@ -12,6 +12,14 @@ intermediate in float32 where eager rounds the SiLU output to bf16).  The Functi
 layer under activation checkpointing saves the same tensors in its recompute as in its forward: the
 earlier version compiled the forward with autograd inside and, on two H200s, its recompute fell back to
 eager modules that saved other tensors, and ``torch.utils.checkpoint`` stopped the backward.
+
+The rotary embedding: HF applies it to q and k as ten eager kernels a layer (``q * cos + rotate_half(q) * sin``,
+``rotate_half`` a negation and a concatenation), each a pass over q or k, and as many again in the backward and in
+a checkpointed layer's recompute: ~1.6 s of the 8B step's train phase on two H200s, the largest "other" part
+(docs/benchmarks.md, seventh session).  Fused, it is one pass each way; the Function saves only ``cos`` and
+``sin`` (the backward is linear in the output gradient).  HF's attention forward calls the module-level
+``apply_rotary_pos_emb``; a patched attention runs HF's own forward code with that one name bound to the fused
+function (a copy of the function over its module's globals), so nothing else in the process changes.
 
 Only modules whose forward is known to be exactly this math are patched (an allow-list of HF classes:
 Llama, Qwen2/3, Mistral), each by an instance-level ``forward`` that calls one shared compiled function,
@@ -30,6 +38,8 @@ from torch import nn
 
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
+ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention"})
+ROTARY_NAME = "apply_rotary_pos_emb"  # what those classes' forward calls, from its module's globals
 
 
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +73,30 @@ def _silu_mul_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tup
     return dgate.to(gate.dtype), (d * g * s).to(up.dtype)
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rotate_half_t(z: torch.Tensor) -> torch.Tensor:
+    """The transpose of ``_rotate_half`` (a signed permutation): where it put ``-x2, x1``, this puts ``z2, -z1``."""
+    h = z.shape[-1] // 2
+    return torch.cat((z[..., h:], -z[..., :h]), dim=-1)
+
+
+def _rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``apply_rotary_pos_emb`` after its unsqueeze (``cos``/``sin`` broadcast against q and k)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rope_bwd(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dq * cos + _rotate_half_t(dq * sin), dk * cos + _rotate_half_t(dk * sin)
+
+
 @cache
 def _compiled(name: str) -> Any:
     fns: dict[str, Callable[..., Any]] = {
@@ -70,6 +104,8 @@ def _compiled(name: str) -> Any:
         "rms_norm_bwd": _rms_norm_bwd,
         "silu_mul_fwd": _silu_mul_fwd,
         "silu_mul_bwd": _silu_mul_bwd,
+        "rope_fwd": _rope_fwd,
+        "rope_bwd": _rope_bwd,
     }
     return torch.compile(fns[name], dynamic=None)
 
@@ -103,6 +139,55 @@ class _SiluMul(torch.autograd.Function):
         return _compiled("silu_mul_bwd")(dy.contiguous(), gate, up)
 
 
+class _Rotary(torch.autograd.Function):
+    """q and k rotated in one compiled pass each way; saves ``cos`` and ``sin`` only (no gradient for them)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(cos, sin)
+        return _compiled("rope_fwd")(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        gq, gk = _compiled("rope_bwd")(dq, dk, cos, sin)
+        return gq, gk, None, None
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``apply_rotary_pos_emb`` (same signature and math), fused; eager where ``cos``/``sin`` need gradients
+    (HF computes them without: the fused backward gives none)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if cos.requires_grad or sin.requires_grad:
+        return _rope_fwd(q, k, cos, sin)
+    return _Rotary.apply(q, k, cos, sin)
+
+
+@cache
+def _forward_with_fused_rotary(forward: types.FunctionType) -> types.FunctionType:
+    """``forward``'s own code over a copy of its globals in which ``apply_rotary_pos_emb`` is the fused one."""
+    scope = dict(forward.__globals__)
+    scope[ROTARY_NAME] = apply_rotary_pos_emb
+    fn = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    fn.__kwdefaults__ = forward.__kwdefaults__
+    fn.__qualname__ = forward.__qualname__
+    return fn
+
+
+def _is_rotary_attention(m: nn.Module) -> bool:
+    forward = type(m).forward
+    return (
+        type(m).__name__ in ATTENTION_CLASSES
+        and isinstance(forward, types.FunctionType)
+        and ROTARY_NAME in forward.__code__.co_names
+        and callable(forward.__globals__.get(ROTARY_NAME))
+    )
+
+
 def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
 
@@ -126,7 +211,8 @@ def _is_silu_mlp(m: nn.Module) -> bool:
 
 
 def compile_elementwise(model: nn.Module) -> list[str]:
-    """Patch ``model``'s RMSNorms and SiLU MLPs to the compiled kernels; returns the patched module names.
+    """Patch ``model``'s RMSNorms, SiLU MLPs and attentions' rotary embedding to the compiled kernels; returns the
+    patched module names.
 
     Raises ``ValueError`` when the model has none of them (an architecture this does not know), so that
     asking for it never silently does nothing.
@@ -139,9 +225,13 @@ def compile_elementwise(model: nn.Module) -> list[str]:
         elif _is_silu_mlp(m):
             m.forward = types.MethodType(_mlp_forward, m)
             patched.append(name)
+        elif _is_rotary_attention(m):
+            m.forward = types.MethodType(_forward_with_fused_rotary(type(m).forward), m)
+            patched.append(name)
     if not patched:
         raise ValueError(
-            f"optim.compile_elementwise: {type(model).__name__} has no RMSNorm or SiLU MLP of a known class "
-            f"({', '.join(sorted(NORM_CLASSES | MLP_CLASSES))}); turn it off for this model"
+            f"optim.compile_elementwise: {type(model).__name__} has no RMSNorm, SiLU MLP or rotary attention of a "
+            f"known class ({', '.join(sorted(NORM_CLASSES | MLP_CLASSES | ATTENTION_CLASSES))}); turn it off for "
+            "this model"
         )
     return patched

@@ -75,7 +75,7 @@ class TrainerOptions:
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
     offload_optimizer_state: bool = False  # AdamW's moments in host memory between steps (fp8rl.train.optim)
-    compile_elementwise: bool = False  # RMSNorm and the SiLU gate as torch.compile kernels (fp8rl.train.compiled)
+    compile_elementwise: bool = False  # RMSNorm, SiLU gate, rotary embedding: torch.compile kernels (train.compiled)
     # fsdp + fp8 (torch): gather each decoder layer's weights once per weight version, not at every forward and
     # backward: the FP8 linears' cached copies serve every micro-batch (see ``TorchTrainer._shard``)
     fp8_gather_once: bool = True

@@ -1,4 +1,4 @@
-"""``optim.compile_elementwise`` on a GPU: the trainer with Inductor/Triton RMSNorm and SiLU gate kernels.
+"""``optim.compile_elementwise`` on a GPU: the trainer with Inductor/Triton RMSNorm, SiLU gate and rotary kernels.
 
 The same policy steps as the eager trainer (tiny model with whole 128-tiles, so FP8 takes the fused Hopper
 path), losses and gradient norms within rounding; the CPU test (``tests/unit/test_compiled_elementwise.py``)

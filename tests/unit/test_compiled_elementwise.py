@@ -1,4 +1,4 @@
-"""``optim.compile_elementwise``: the decoder's RMSNorm and SiLU gate as torch.compile kernels.
+"""``optim.compile_elementwise``: the decoder's RMSNorm, SiLU gate and rotary embedding as torch.compile kernels.
 
 Runs torch.compile for real (Inductor's CPU backend here; Triton on a GPU): the hand-written backward is
 autograd's own in float32, the patched model computes the same logits and gradients as HF's eager modules up
@@ -8,12 +8,14 @@ and parameters are unchanged, and a model with none of the known modules is refu
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fp8rl.train.compiled import _RMSNorm, _SiluMul, compile_elementwise
+from fp8rl.train.compiled import ATTENTION_CLASSES, _RMSNorm, _SiluMul, apply_rotary_pos_emb, compile_elementwise
 
 
 def _model(seed: int) -> LlamaForCausalLM:
@@ -23,15 +25,16 @@ def _model(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
-def test_compiled_norms_and_gate_match_the_eager_model() -> None:
+def test_compiled_parts_match_the_eager_model() -> None:
     eager, fused = _model(0), _model(0)
     for p in fused.model.norm.parameters():
         assert p.dtype == torch.bfloat16
     names = compile_elementwise(fused)
     assert sorted(names) == sorted(
         ["model.norm"]
-        + [f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm", "mlp")]
-    )
+        + [f"model.layers.{i}.{n}" for i in range(2)
+           for n in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")]
+    )  # fmt: skip
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in eager.named_parameters()]
     ids = torch.randint(0, 96, (3, 17))
     for _ in range(2):  # a second call reuses the compiled kernels (and a new shape compiles again, dynamic)
@@ -75,6 +78,52 @@ def test_the_compiled_backward_is_autograds_in_float32() -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_fused_rotary_embedding_is_hfs_with_its_gradients(arch: str) -> None:
+    """Against each allow-listed architecture's own ``apply_rotary_pos_emb`` in float32 (the math; bf16 differs by
+    rounding only): q and k laid out as HF's attention makes them (a transposed view of the projection), the
+    outputs and both input gradients; cos and sin needing gradients take the eager path and get theirs."""
+    hf = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}").apply_rotary_pos_emb
+    assert f"{arch.capitalize() if arch != 'qwen2' else 'Qwen2'}Attention".lower() in {
+        c.lower() for c in ATTENTION_CLASSES
+    }
+    torch.manual_seed(0)
+    b, t, hq, hk, d = 2, 7, 4, 2, 16
+    q0 = torch.randn(b, t, hq, d).transpose(1, 2)
+    k0 = torch.randn(b, t, hk, d).transpose(1, 2)
+    angles = torch.randn(b, t, d // 2).repeat(1, 1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    dq, dk = torch.randn(b, hq, t, d), torch.randn(b, hk, t, d)
+    got = []
+    for fn in (apply_rotary_pos_emb, hf):
+        q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
+        qe, ke = fn(q, k, cos, sin)
+        torch.autograd.backward((qe, ke), (dq, dk))
+        got.append((qe.detach(), ke.detach(), q.grad, k.grad))
+    for a, b_ in zip(*got, strict=True):
+        torch.testing.assert_close(a, b_, rtol=1e-6, atol=1e-6)
+    # cos and sin with gradients: the eager path, whose gradients reach them
+    c, s_ = cos.clone().requires_grad_(True), sin.clone().requires_grad_(True)
+    qe, ke = apply_rotary_pos_emb(q0, k0, c, s_)
+    (qe.sum() + ke.sum()).backward()
+    assert c.grad is not None and s_.grad is not None and c.grad.abs().sum() > 0
+
+
+def test_patching_one_model_changes_no_other() -> None:
+    """The fused rotary embedding is bound in the patched attentions' own copy of the forward's globals: HF's
+    module keeps its function, and an unpatched model in the same process runs HF's forward."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    before = modeling.apply_rotary_pos_emb
+    eager, fused = _model(2), _model(2)
+    compile_elementwise(fused)
+    assert modeling.apply_rotary_pos_emb is before
+    assert "forward" not in vars(eager.model.layers[0].self_attn)
+    patched = fused.model.layers[0].self_attn.forward
+    assert patched.__func__.__globals__["apply_rotary_pos_emb"] is apply_rotary_pos_emb
+    assert patched.__func__.__code__ is type(eager.model.layers[0].self_attn).forward.__code__
+
+
 def test_compiled_parts_under_activation_checkpointing_match_the_eager_model() -> None:
     eager, fused = _model(1), _model(1)
     compile_elementwise(fused)
@@ -94,5 +143,5 @@ def test_compiled_parts_under_activation_checkpointing_match_the_eager_model() -
 
 
 def test_a_model_without_known_modules_is_refused_by_the_option_name() -> None:
-    with pytest.raises(ValueError, match=r"optim\.compile_elementwise: Sequential has no RMSNorm"):
+    with pytest.raises(ValueError, match=r"optim\.compile_elementwise: Sequential has no RMSNorm, SiLU MLP or rotary"):
         compile_elementwise(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
