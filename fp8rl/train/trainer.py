@@ -13,10 +13,8 @@ reduction (``MixedPrecisionPolicy``), the gradient SUMMED across ranks as the re
 sums it.  Every rank must then make the same calls in the same order: forwards, backwards,
 ``hf_state_dict``, ``state_dict`` and ``save_checkpoint`` are collectives.  FSDP2 reduce-scatters each
 micro-batch's gradients in its backward; with ``reduce_grads_once`` the micro-batches accumulate them unsharded in
-fp32 and the last one's backward reduce-scatters the sum (the replicated path's one reduction a step).  Between the
-micro-batches of a step nothing waits for those reduce-scatters (only the last backward does, before the optimizer
-step), and the root unit (embeddings, final norm, lm_head) stays gathered from the step's first forward until the
-weights change: a micro-batch's forward starts while the previous one's gradients are still being reduced.
+fp32 and the last one's backward reduce-scatters the sum (the replicated path's one reduction a step).  What is
+sharded how, what stays gathered and what each micro-batch's backward is told: ``fp8rl.train.fsdp``.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from fp8rl.train.batches import build_batch as build_batch  # re-exported: the t
 from fp8rl.train.batches import policy_batch_totals as policy_batch_totals
 from fp8rl.train.compiled import compile_elementwise
 from fp8rl.train.fp8_linear import FP8TrainLinear, checkpoint_contexts
+from fp8rl.train.fsdp import FSDPUnits
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.model_inputs import causal_padding_mask, no_mask_sdpa, prepares_masks, to_device, unpadded
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
@@ -77,7 +76,7 @@ class TrainerOptions:
     offload_optimizer_state: bool = False  # AdamW's moments in host memory between steps (fp8rl.train.optim)
     compile_elementwise: bool = False  # RMSNorm, SiLU gate, rotary embedding: torch.compile kernels (train.compiled)
     # fsdp + fp8 (torch): gather each decoder layer's weights once per weight version, not at every forward and
-    # backward: the FP8 linears' cached copies serve every micro-batch (see ``TorchTrainer._shard``)
+    # backward: the FP8 linears' cached copies serve every micro-batch (see ``fp8rl.train.fsdp``)
     fp8_gather_once: bool = True
     # fsdp: the micro-batches' gradients accumulate unsharded (fp32) and reduce-scatter once, in the last one's backward
     reduce_grads_once: bool = False
@@ -115,9 +114,9 @@ class TorchTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
             )
         self.optimizer: MasterWeightAdamW | ShardedAdamW
-        self._held_units: list[Any] = []  # FSDP2 units left unsharded between weight versions (_shard)
+        self.fsdp: FSDPUnits | None = None
         if self.sharded:
-            self._shard()
+            self.fsdp = FSDPUnits(self.model, self.device, opts.fp8_gather_once)
             self.optimizer = ShardedAdamW(
                 list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay,
                 offload_state=opts.offload_optimizer_state,
@@ -140,50 +139,6 @@ class TorchTrainer:
         )  # fmt: skip
         self.step_count = 0
         self._tokens = [0.0, 0.0]  # (computed, valid) tokens of the current policy step's forwards
-
-    def _shard(self) -> None:
-        """FSDP2 over the default process group: every decoder layer a unit, the rest in the root unit."""
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if not dist.is_initialized():
-            raise ValueError("trainer sharding 'fsdp' needs a process group (the Ray trainer workers make one)")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device.index or 0)  # a bare "cuda" has no index; set_device needs one
-        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
-        with torch.no_grad():
-            for p in self.model.parameters():  # bf16 -> fp32 is exact: the masters start where the weights are
-                p.data = p.data.to(torch.float32)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        # fp8_gather_once: a layer's FP8 linears quantize their gathered weights once per weight version and cache
-        # the copies (``FP8TrainLinear.cache_until_changed``), so the bf16 weights FSDP2 gathers again for every
-        # later forward and backward (every micro-batch's) go unread.  The layer is then left unsharded after its
-        # forward and backward (its gradients still reduce-scatter every micro-batch), its FP8 linears free the
-        # gathered bf16 weights once quantized (``release_weight``: only the norms and any BF16 linear stay
-        # gathered), and ``_weights_changed`` reshards it so that the next forward gathers the new weights.
-        units: list[Any] = []
-        for layer in self.model.model.layers:  # per layer: a BF16 layer (bf16_first/last_layers) keeps the default
-            fp8 = [m for m in layer.modules() if isinstance(m, FP8TrainLinear)]
-            once = self.opts.fp8_gather_once and bool(fp8)
-            unit = fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not once)
-            units.append(unit)
-            if once:
-                unit.set_reshard_after_backward(False, recurse=False)
-                self._held_units.append(unit)
-                for m in fp8:
-                    m.release_weight = True
-        # the root unit: FSDP2 gathers it in a forward and keeps it through the backward; left gathered after the
-        # backward too, the next micro-batch's forward starts without an all-gather (it would queue behind the
-        # previous backward's reduce-scatters on the one NCCL stream); 2 bytes a parameter of the embeddings and
-        # lm_head on every rank until the weights change, as the gather-once layers are held
-        root = fully_shard(self.model, mesh=mesh, mp_policy=mp)
-        root.set_reshard_after_backward(False, recurse=False)
-        self._held_units.append(root)
-        units.append(root)
-        for unit in units:  # each rank's loss is its exact share of the global loss: SUM, no division
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
     def _layer_graphs(self) -> LayerGraphs:
         """``optim.cuda_graphs``: the decoder layers' graphs, after checking what the option needs."""
@@ -232,31 +187,21 @@ class TorchTrainer:
         self._reshard_held()
 
     def _reshard_held(self) -> None:
-        """Put the units left unsharded (the root, and the layers of ``fp8_gather_once``) back to their shards (the
-        next forward gathers again). Before new weights, and before anything reads the parameters outside a
-        forward: an unsharded layer's module attributes are the gathered parameters, whose FP8 linears' storage
-        is released."""
-        for unit in self._held_units:
-            unit.reshard()
+        if self.fsdp is not None:
+            self.fsdp.reshard_held()
 
     def _checkpoint_contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
         """The ``context_fn`` of the activation checkpointing: (a layer's first forward's, its recompute's)."""
         return checkpoint_contexts()
 
     def _update_slices(self, batch: SequenceBatch) -> Iterator[slice]:
-        """The micro-batches of an optimizer step.  Sharded (FSDP2), each one's backward is told whether it is the
-        step's last: only the last makes the compute stream wait for the pending reduce-scatters (FSDP2 otherwise
-        does at the end of every backward, so the next micro-batch's forward waited for the whole queue).
-        ``reduce_grads_once``: also whether to reduce-scatter -- only the last does; the earlier ones add their
-        gradients to FSDP2's unsharded fp32 accumulators, which the last one reduce-scatters.  Every rank runs the
-        same number of micro-batches (``MicroBatcher.slices``), each with a backward, so the collectives match."""
+        """The micro-batches of an optimizer step; sharded, FSDP2 is told before each whether its backward ends the
+        step (``FSDPUnits.before_backward``).  Every rank runs the same number of micro-batches
+        (``MicroBatcher.slices``), each with a backward, so the collectives match."""
         slices = self.micro.slices(batch)
         for i, sl in enumerate(slices):
-            if self.sharded:
-                last = i == len(slices) - 1
-                self.model.set_is_last_backward(last)
-                if self.opts.reduce_grads_once:
-                    self.model.set_requires_gradient_sync(last)
+            if self.fsdp is not None:
+                self.fsdp.before_backward(i, len(slices), self.opts.reduce_grads_once)
             yield sl
 
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path]
     assert not any(isinstance(m, FP8TrainLinear) for m in layers[0].modules())  # the BF16 first layer
     # the FP8 layers, and only they, are left unsharded between weight versions (and the root unit, always); their
     # FP8 linears release
-    assert trainer._held_units == (layers[1:] if once else []) + [trainer.model]
+    assert trainer.fsdp is not None and trainer.fsdp.held == (layers[1:] if once else []) + [trainer.model]
     fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
     assert fp8 and all(m.release_weight is once for m in fp8)
     batch, adv, old, mask = fixed_batch()
