@@ -394,7 +394,9 @@ def _gap_line(r: ThroughputResult) -> str:
     after = "; before " + ", ".join(f"{k} {v:,.0f} ms" for k, v in sorted(before.items(), key=lambda t: -t[1]))
     during = r.train_gap_ms_during_collective
     waits = "" if during is None else f"; {during:,.0f} ms of it while a collective ran"
-    return f"- {r.recipe}: {sum(ms.values()):,.0f} ms idle ({sizes}){after if before else ''}{waits}"
+    kernels = sorted((r.train_gap_ms_before_kernel or {}).items(), key=lambda t: -t[1])
+    named = "; the long gaps by the kernel after: " + ", ".join(f"`{k}` {v:,.0f} ms" for k, v in kernels)
+    return f"- {r.recipe}: {sum(ms.values()):,.0f} ms idle ({sizes}){after if before else ''}{waits}{named if kernels else ''}"
 
 
 def quantize_bytes(label: str) -> float | None:

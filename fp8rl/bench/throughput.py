@@ -39,6 +39,7 @@ from fp8rl.loop import build_parts, rl_step, task_examples
 from fp8rl.tasks import Example
 from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
 from fp8rl.train.step_profile import (
+    GAP_BEFORE_KERNEL_PREFIX,
     GAP_BEFORE_PREFIX,
     GAP_DURING_COLLECTIVE,
     GAP_MS_PREFIX,
@@ -128,6 +129,7 @@ class ThroughputResult:
     train_gap_ms: dict[str, float] | None = None
     train_gaps: dict[str, float] | None = None
     train_gap_ms_before: dict[str, float] | None = None
+    train_gap_ms_before_kernel: dict[str, float] | None = None  # the same by the kernel's label, the top few
     # of that idle time, the ms during which a collective (NCCL) ran on another stream: at most what the compute stream
     # waited on communication rather than on the host (several trainer ranks only)
     train_gap_ms_during_collective: float | None = None
@@ -318,6 +320,7 @@ def _profiled_step(
         "train_quant_ms": quant_ms or None, "train_quant_calls": quant_calls or None,
         "train_gap_ms": under(GAP_MS_PREFIX) or None, "train_gaps": under(GAPS_PREFIX) or None,
         "train_gap_ms_before": under(GAP_BEFORE_PREFIX) or None,
+        "train_gap_ms_before_kernel": under(GAP_BEFORE_KERNEL_PREFIX) or None,
         "train_gap_ms_during_collective": metrics.get("train/" + GAP_DURING_COLLECTIVE),
         "train_top_other_ms": under(TOP_OTHER_MS_PREFIX) or None,
         "train_top_other_calls": under(TOP_OTHER_CALLS_PREFIX) or None,

@@ -46,6 +46,8 @@ WALL_KEY = "profile/wall_s"  # the profiled step's wall seconds (under the profi
 # ms and how many; and the gaps of 1 ms or more by the category of the kernel that ends each (what the stream waited to
 # start: e.g. a micro-batch's first kernels after a host read, or a kernel waiting on another stream's collective)
 GAP_MS_PREFIX, GAPS_PREFIX, GAP_BEFORE_PREFIX = "profile/gap_ms/", "profile/gaps/", "profile/gap_ms_before/"
+# and by the ``kernel_label`` of the kernel that ends each, the labels with the most such time (what exactly waited)
+GAP_BEFORE_KERNEL_PREFIX, GAP_BEFORE_KERNELS = "profile/gap_ms_before_kernel/", 5
 # the part of that idle time during which a collective (an NCCL kernel, on any stream) was running: an upper bound on the
 # compute stream waiting on communication (FSDP2's reduce-scatters and all-gathers) rather than on the host (a host
 # launch gap while an asynchronous collective runs counts too)
@@ -188,7 +190,8 @@ def stream_gaps(
 ) -> dict[str, float]:
     """The idle time between one stream's kernels ``(start_us, end_us, name)``: ``GAP_MS_PREFIX`` / ``GAPS_PREFIX`` by
     gap size (``GAP_BUCKETS``), the gaps of 1 ms or more summed by the category of the kernel after each
-    (``GAP_BEFORE_PREFIX``), and, given the ``(start_us, end_us)`` of the collectives on every stream, how much of
+    (``GAP_BEFORE_PREFIX``) and by its label (``GAP_BEFORE_KERNEL_PREFIX``, the ``GAP_BEFORE_KERNELS`` labels with
+    the most), and, given the ``(start_us, end_us)`` of the collectives on every stream, how much of
     the idle time one was running (``GAP_DURING_COLLECTIVE``).  Only between the first kernel's start and the last
     one's end."""
     out: dict[str, float] = {}
@@ -198,6 +201,7 @@ def stream_gaps(
             busy[-1] = (busy[-1][0], max(busy[-1][1], end))
         else:
             busy.append((start, end))
+    by_kernel: dict[str, float] = {}
     during, first = 0.0, 0  # busy[first:] may still overlap a later gap (gaps come in order)
     busy_until = None
     for start, end, name in sorted(kernels):
@@ -209,6 +213,7 @@ def stream_gaps(
             if ms >= 1.0:
                 key = GAP_BEFORE_PREFIX + category(name)
                 out[key] = out.get(key, 0.0) + ms
+                by_kernel[kernel_label(name)] = by_kernel.get(kernel_label(name), 0.0) + ms
             while first < len(busy) and busy[first][1] <= busy_until:
                 first += 1
             for b0, b1 in busy[first:]:
@@ -216,6 +221,8 @@ def stream_gaps(
                     break
                 during += min(b1, start) - max(b0, busy_until)
         busy_until = end if busy_until is None else max(busy_until, end)
+    for label in sorted(by_kernel, key=lambda k: -by_kernel[k])[:GAP_BEFORE_KERNELS]:
+        out[GAP_BEFORE_KERNEL_PREFIX + label] = by_kernel[label]
     if busy and out:
         out[GAP_DURING_COLLECTIVE] = during / 1e3
     return out

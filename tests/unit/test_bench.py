@@ -321,6 +321,10 @@ def test_step_report_lists_the_quantization_kernels_by_launch_with_their_bandwid
     )
     _, md = report([dataclasses.replace(fp8, train_gap_ms_during_collective=850.0)], {"model": "llama-1b"})
     assert "before other 900 ms, gemm 300 ms; 850 ms of it while a collective ran" in md
+    assert "by the kernel after" not in md
+    fp8 = dataclasses.replace(fp8, train_gap_ms_before_kernel={"chunk_cat_cuda_kernel": 700.0, "nvjet": 300.0})
+    _, md = report([fp8], {"model": "llama-1b"})
+    assert "gemm 300 ms; the long gaps by the kernel after: `chunk_cat_cuda_kernel` 700 ms, `nvjet` 300 ms" in md
     assert '"other" kernels' not in md  # none reported
     top = {"vectorized_elementwise_kernel.CUDAFunctor_add.float": 1500.0, "CatArrayBatchedCopy": 300.0}
     fp8 = dataclasses.replace(fp8, train_top_other_ms=top, train_top_other_calls={"CatArrayBatchedCopy": 64.0})

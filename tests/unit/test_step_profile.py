@@ -114,6 +114,7 @@ def test_quantization_kernels_pair_with_their_launches_only_when_names_and_count
 
 def test_stream_gaps_are_summed_by_size_and_the_long_ones_by_the_kernel_after_them() -> None:
     from fp8rl.train.step_profile import (
+        GAP_BEFORE_KERNEL_PREFIX,
         GAP_BEFORE_PREFIX,
         GAP_DURING_COLLECTIVE,
         GAP_MS_PREFIX,
@@ -136,6 +137,18 @@ def test_stream_gaps_are_summed_by_size_and_the_long_ones_by_the_kernel_after_th
     assert out[GAP_BEFORE_PREFIX + "gemm"] == pytest.approx(1.6) and out[GAP_BEFORE_PREFIX + "nccl"] == pytest.approx(
         3.0
     )
+    assert out[GAP_BEFORE_KERNEL_PREFIX + "nvjet_gemm"] == pytest.approx(1.6)
+    assert out[GAP_BEFORE_KERNEL_PREFIX + "ncclDevKernel"] == pytest.approx(3.0)
+    assert not [k for k in out if k.startswith(GAP_BEFORE_KERNEL_PREFIX + "elementwise")]  # its gaps were short
+    # seven long gaps before seven kernels, the i-th (i + 1) ms long: the five longest are named
+    many = [(0.0, 1.0, "k0")] + [(1.0 + sum(range(2, i + 2)) * 1e3, 2.0 + sum(range(2, i + 2)) * 1e3, f"k{i}")
+                                 for i in range(1, 8)]  # fmt: skip
+    named = {
+        k[len(GAP_BEFORE_KERNEL_PREFIX) :]: v
+        for k, v in stream_gaps(many).items()
+        if k.startswith(GAP_BEFORE_KERNEL_PREFIX)
+    }
+    assert sorted(named) == ["k3", "k4", "k5", "k6", "k7"], named
     assert GAP_MS_PREFIX + "10us_to_0.1ms" not in out
     assert stream_gaps([]) == {}
     assert GAP_DURING_COLLECTIVE not in out  # no collectives given (one rank)
