@@ -19,7 +19,9 @@ a checkpointed layer's recompute: ~1.6 s of the 8B step's train phase on two H20
 (docs/benchmarks.md, seventh session).  Fused, it is one pass each way; the Function saves only ``cos`` and
 ``sin`` (the backward is linear in the output gradient).  HF's attention forward calls the module-level
 ``apply_rotary_pos_emb``; a patched attention runs HF's own forward code with that one name bound to the fused
-function (a copy of the function over its module's globals), so nothing else in the process changes.
+function (a copy of the function over its module's globals), so nothing else in the process changes; an
+allow-listed attention whose forward no longer calls it, or calls one of another signature, is refused before
+anything is patched (transformers moved the target: this module must follow).
 
 Only modules whose forward is known to be exactly this math are patched (an allow-list of HF classes:
 Llama, Qwen2/3, Mistral), each by an instance-level ``forward`` that calls one shared compiled function,
@@ -28,6 +30,7 @@ so Dynamo compiles once per shape class rather than once per module.  Names and 
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from functools import cache
@@ -178,14 +181,27 @@ def _forward_with_fused_rotary(forward: types.FunctionType) -> types.FunctionTyp
     return fn
 
 
+ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]  # HF's apply_rotary_pos_emb, which the fused one takes
+
+
 def _is_rotary_attention(m: nn.Module) -> bool:
-    forward = type(m).forward
-    return (
-        type(m).__name__ in ATTENTION_CLASSES
-        and isinstance(forward, types.FunctionType)
-        and ROTARY_NAME in forward.__code__.co_names
-        and callable(forward.__globals__.get(ROTARY_NAME))
-    )
+    """An allow-listed attention class whose forward calls its module's ``apply_rotary_pos_emb`` with HF's
+    signature; an allow-listed class that no longer does raises (transformers moved what this binds)."""
+    if type(m).__name__ not in ATTENTION_CLASSES:
+        return False
+    forward, cls = type(m).forward, type(m).__qualname__
+    hf = getattr(forward, "__globals__", {}).get(ROTARY_NAME)
+    if not (isinstance(forward, types.FunctionType) and ROTARY_NAME in forward.__code__.co_names and callable(hf)):
+        raise RuntimeError(
+            f"optim.compile_elementwise: {cls}.forward no longer calls {ROTARY_NAME} from its module (transformers "
+            "changed it); fp8rl.train.compiled must be updated to fuse its rotary embedding"
+        )
+    if list(inspect.signature(hf).parameters) != ROTARY_PARAMETERS:
+        raise RuntimeError(
+            f"optim.compile_elementwise: {cls}'s {ROTARY_NAME} takes {list(inspect.signature(hf).parameters)}, "
+            f"not {ROTARY_PARAMETERS} (transformers changed it); fp8rl.train.compiled must be updated"
+        )
+    return True
 
 
 def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -217,17 +233,17 @@ def compile_elementwise(model: nn.Module) -> list[str]:
     Raises ``ValueError`` when the model has none of them (an architecture this does not know), so that
     asking for it never silently does nothing.
     """
-    patched = []
+    forwards: list[tuple[str, nn.Module, Callable[..., Any]]] = []  # decided for every module before any changes
     for name, m in model.named_modules():
         if type(m).__name__ in NORM_CLASSES and hasattr(m, "variance_epsilon"):
-            m.forward = types.MethodType(_norm_forward, m)
-            patched.append(name)
+            forwards.append((name, m, _norm_forward))
         elif _is_silu_mlp(m):
-            m.forward = types.MethodType(_mlp_forward, m)
-            patched.append(name)
-        elif _is_rotary_attention(m):
-            m.forward = types.MethodType(_forward_with_fused_rotary(type(m).forward), m)
-            patched.append(name)
+            forwards.append((name, m, _mlp_forward))
+        elif _is_rotary_attention(m):  # raises, before anything is patched, where transformers moved the target
+            forwards.append((name, m, _forward_with_fused_rotary(type(m).forward)))
+    for _, m, forward in forwards:
+        m.forward = types.MethodType(forward, m)
+    patched = [name for name, _, _ in forwards]
     if not patched:
         raise ValueError(
             f"optim.compile_elementwise: {type(model).__name__} has no RMSNorm, SiLU MLP or rotary attention of a "

@@ -9,6 +9,7 @@ and parameters are unchanged, and a model with none of the known modules is refu
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -122,6 +123,34 @@ def test_patching_one_model_changes_no_other() -> None:
     patched = fused.model.layers[0].self_attn.forward
     assert patched.__func__.__globals__["apply_rotary_pos_emb"] is apply_rotary_pos_emb
     assert patched.__func__.__code__ is type(eager.model.layers[0].self_attn).forward.__code__
+
+
+def test_an_allow_listed_attention_that_moved_is_refused_loudly() -> None:
+    """An allow-listed attention class whose forward no longer calls ``apply_rotary_pos_emb`` (or calls one of
+    another signature) is an error naming the class, not a silently unfused model."""
+    model = _model(3)
+    attention = model.model.layers[0].self_attn
+
+    def moved(self: nn.Module, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return hidden_states
+
+    moved_cls = type("LlamaAttention", (nn.Module,), {"forward": moved})
+    attention.__class__ = moved_cls
+    with pytest.raises(RuntimeError, match=r"LlamaAttention.forward no longer calls apply_rotary_pos_emb"):
+        compile_elementwise(model)
+    assert not [m for m in model.modules() if "forward" in vars(m)]  # refused before anything was patched
+
+    def other_signature(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> object:
+        return q, k
+
+    def calls_it(self: nn.Module, hidden_states: torch.Tensor) -> object:
+        return apply_rotary_pos_emb(hidden_states, hidden_states, hidden_states, hidden_states)
+
+    scope = {"apply_rotary_pos_emb": other_signature}
+    forward = types.FunctionType(calls_it.__code__, scope, "forward")
+    attention.__class__ = type("LlamaAttention", (nn.Module,), {"forward": forward})
+    with pytest.raises(RuntimeError, match=r"takes \['q', 'k', 'cos', 'sin'\], not"):
+        compile_elementwise(model)
 
 
 def test_compiled_parts_under_activation_checkpointing_match_the_eager_model() -> None:
