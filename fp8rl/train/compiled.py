@@ -43,6 +43,7 @@ NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Mistr
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
 ATTENTION_CLASSES = frozenset({"LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention"})
 ROTARY_NAME = "apply_rotary_pos_emb"  # what those classes' forward calls, from its module's globals
+ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]  # its signature, which the fused one takes
 
 
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,9 +182,6 @@ def _forward_with_fused_rotary(forward: types.FunctionType) -> types.FunctionTyp
     return fn
 
 
-ROTARY_PARAMETERS = ["q", "k", "cos", "sin", "unsqueeze_dim"]  # HF's apply_rotary_pos_emb, which the fused one takes
-
-
 def _is_rotary_attention(m: nn.Module) -> bool:
     """An allow-listed attention class whose forward calls its module's ``apply_rotary_pos_emb`` with HF's
     signature; an allow-listed class that no longer does raises (transformers moved what this binds)."""
@@ -196,9 +194,10 @@ def _is_rotary_attention(m: nn.Module) -> bool:
             f"optim.compile_elementwise: {cls}.forward no longer calls {ROTARY_NAME} from its module (transformers "
             "changed it); fp8rl.train.compiled must be updated to fuse its rotary embedding"
         )
-    if list(inspect.signature(hf).parameters) != ROTARY_PARAMETERS:
+    takes = list(inspect.signature(hf).parameters)
+    if takes != ROTARY_PARAMETERS:
         raise RuntimeError(
-            f"optim.compile_elementwise: {cls}'s {ROTARY_NAME} takes {list(inspect.signature(hf).parameters)}, "
+            f"optim.compile_elementwise: {cls}'s {ROTARY_NAME} takes {takes}, "
             f"not {ROTARY_PARAMETERS} (transformers changed it); fp8rl.train.compiled must be updated"
         )
     return True

@@ -21,6 +21,7 @@ the idle time a collective ran says which.  And it names the "other" kernels tha
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import re
 import time
@@ -102,7 +103,7 @@ def top_kernels(prof: Any, cat: str = "other", n: int = TOP_OTHER) -> dict[str, 
             label = kernel_label(e.key)
             ms[label] = ms.get(label, 0.0) + e.self_device_time_total / 1e3
             calls[label] = calls.get(label, 0.0) + float(e.count)
-    top = sorted(ms, key=lambda k: -ms[k])[:n]
+    top = heapq.nlargest(n, ms, key=ms.__getitem__)
     return {**{TOP_OTHER_MS_PREFIX + k: ms[k] for k in top}, **{TOP_OTHER_CALLS_PREFIX + k: calls[k] for k in top}}
 
 
@@ -213,7 +214,8 @@ def stream_gaps(
             if ms >= 1.0:
                 key = GAP_BEFORE_PREFIX + category(name)
                 out[key] = out.get(key, 0.0) + ms
-                by_kernel[kernel_label(name)] = by_kernel.get(kernel_label(name), 0.0) + ms
+                label = kernel_label(name)
+                by_kernel[label] = by_kernel.get(label, 0.0) + ms
             while first < len(busy) and busy[first][1] <= busy_until:
                 first += 1
             for b0, b1 in busy[first:]:
@@ -221,7 +223,7 @@ def stream_gaps(
                     break
                 during += min(b1, start) - max(b0, busy_until)
         busy_until = end if busy_until is None else max(busy_until, end)
-    for label in sorted(by_kernel, key=lambda k: -by_kernel[k])[:GAP_BEFORE_KERNELS]:
+    for label in heapq.nlargest(GAP_BEFORE_KERNELS, by_kernel, key=by_kernel.__getitem__):
         out[GAP_BEFORE_KERNEL_PREFIX + label] = by_kernel[label]
     if busy and out:
         out[GAP_DURING_COLLECTIVE] = during / 1e3

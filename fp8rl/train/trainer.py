@@ -305,10 +305,10 @@ class TorchTrainer:
             )
         finally:
             if self.sharded:
-                self.model.reshard()
-                # the calibration's forward left FP8 copies of the whole model cached (and, with fp8_gather_once,
-                # the layers gathered); it runs in the sync, before the colocated engine wakes: let them go -- the
-                # next forward quantizes again
+                # the calibration's forward left FP8 copies of the whole model cached and the root (and, with
+                # fp8_gather_once, the layers) gathered; it runs in the sync, before the colocated engine wakes: let
+                # them go (_weights_changed reshards every held unit, the root among them) -- the next forward
+                # quantizes and gathers again
                 self._weights_changed()
 
     # ---- updates -------------------------------------------------------------------------------------
