@@ -268,11 +268,11 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
     for variant in a.rl_variants.split(","):  # a precision; "-regather": optim.fp8_gather_once off
         out[variant] = rlprofile_variant(variant, a, world, device, batch, adv, mask, totals)
-    if "bf16" in out and "fp8" in out:
+    for fp8 in (v for v in out if isinstance(out[v], dict) and v.startswith("fp8") and "bf16" in out):
         for k in ("logprob_s", "train_s"):
-            out[f"fp8_vs_bf16_{k}"] = out["bf16"][k] / out["fp8"][k]
-        say(f"[rlprofile] fp8 vs bf16: logprob {out['fp8_vs_bf16_logprob_s']:.2f}x, "
-            f"train {out['fp8_vs_bf16_train_s']:.2f}x")  # fmt: skip
+            out[f"{fp8}_vs_bf16_{k}"] = out["bf16"][k] / out[fp8][k]
+        say(f"[rlprofile] {fp8} vs bf16: logprob {out[f'{fp8}_vs_bf16_logprob_s']:.2f}x, "
+            f"train {out[f'{fp8}_vs_bf16_train_s']:.2f}x")  # fmt: skip
     return out
 
 
@@ -293,11 +293,12 @@ def rlprofile_variant(
     from fp8rl.config import GRPOConfig
     from fp8rl.train.trainer import TrainerOptions
 
-    precision = variant.removesuffix("-regather")
+    precision = variant.removesuffix("-regather").removesuffix("-row")
     torch.cuda.reset_peak_memory_stats()
     o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
                        sharding="fsdp" if world > 1 else "replicate", compile_elementwise=a.compile_elementwise,
-                       fp8_gather_once=not variant.endswith("-regather"))  # fmt: skip
+                       fp8_gather_once=not variant.endswith("-regather"),
+                       spec=QuantSpec(granularity="row" if "-row" in variant else "block"))  # fmt: skip
     trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
     times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
     trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)
@@ -422,7 +423,7 @@ def main() -> None:
     p.add_argument("--rl-layers", type=int, default=8, help="rlprofile section: decoder layers at Llama-8B width")
     p.add_argument("--rl-mbt", type=int, default=16384, help="rlprofile section: micro-batch padded tokens")
     p.add_argument("--rl-variants", default="bf16,fp8",
-                   help="rlprofile section: bf16, fp8, fp8-regather (optim.fp8_gather_once off)")  # fmt: skip
+                   help="rlprofile section: bf16, fp8, fp8-row (the row recipe), fp8-regather (optim.fp8_gather_once off)")  # fmt: skip
     p.add_argument("--json", default="fp8_speed.json", help="file name under $OUT")
     a = p.parse_args()
     if a.colwise_config:

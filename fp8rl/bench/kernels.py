@@ -243,6 +243,15 @@ def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
         out["block_speedup_incl_quant"] = out["bf16_ms"] / (out["fp8_block_gemm_ms"] + out["act_quant_fused_ms"])
         out["tflops_bf16"] = flop / out["bf16_ms"] / 1e9
         out["tflops_fp8_block"] = flop / out["fp8_block_gemm_ms"] / 1e9
+        # the row recipe (fp8rl.quant.row_linear): row-scaled GEMM, the per-token copy, the transposed per-column one
+        from fp8rl.quant.row_linear import quantize_col_input, quantize_row_input, quantize_row_weight, row_mm
+
+        row = QuantSpec(granularity="row")
+        rw = quantize_row_weight(w, row)
+        rq, rs = quantize_row_input(x, row)
+        out["fp8_row_gemm_ms"] = time_ms(lambda: row_mm(rq, rs, rw.q, rw.scale, m))
+        out["row_act_quant_ms"] = time_ms(lambda: quantize_row_input(x, row))
+        out["row_col_quant_ms"] = time_ms(lambda: quantize_col_input(x, row))
     return out
 
 
@@ -272,7 +281,7 @@ def _linear_row(m: int, n: int, k: int) -> dict[str, Any]:
 
         return run
 
-    out: dict[str, Any] = {"mnk": [m, n, k], "fused": fp8._block_weight() is not None}
+    out: dict[str, Any] = {"mnk": [m, n, k], "fused": fp8._fused_operands() is not None}
     out["bf16_ms"] = time_ms(step(base))
     out["fp8_ms"] = time_ms(step(fp8))
     out["fp8_weight_requantized_each_call_ms"] = time_ms(step(fp8, bump=True))

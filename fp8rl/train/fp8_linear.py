@@ -18,6 +18,9 @@ rollout engine and in the converted checkpoint.  Two paths compute the same FP8 
   per micro-batch; under FSDP2, once per ``weights_changed`` call) and cached on the module; the GEMMs are cuBLAS block-scaled GEMMs.
   Under activation checkpointing (``checkpoint_contexts``) a layer's first forward makes no transposed copy of X:
   what it saves is dropped, and the recompute before the backward makes the copy the wgrad reads.
+- fused row (CUDA, Hopper, row recipe, K and N multiples of 16; ``fp8rl.quant.row_linear``): a scale per token and
+  per channel, row-scaled GEMMs; the input's quantization shared as above (and its transposed copy between the
+  wgrads that read it), the weight's two copies cached per weight version the same way.
 - reference (everything else, the CPU): the torch quantizers and ``fp8_gemm`` (tensor cores
   where cuBLAS takes the operands, exact emulation on CPU).
 
@@ -48,6 +51,15 @@ from fp8rl.quant.block_linear import (
     quantize_block_weight,
 )
 from fp8rl.quant.formats import get_format
+from fp8rl.quant.row_linear import (
+    RowWeight,
+    padded_tokens,
+    quantize_col_input,
+    quantize_row_input,
+    quantize_row_weight,
+    row_linear_supported,
+    row_mm,
+)
 
 
 class _CheckpointState(threading.local):
@@ -234,10 +246,82 @@ class _FusedBlockFP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+_shared_cols = _SharedInput()  # the row path's transposed copy of a saved input, for the next wgrad that reads it
+
+
+def _row_input(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor | None, ...]:
+    """``quantize_row_input`` of ``x`` viewed as ``[M, K]``, shared with the previous linear when it read ``x``."""
+    cached = _shared_input.get(x, spec, colwise=False)
+    if cached is not None:
+        return cached
+    value = quantize_row_input(x.reshape(-1, x.shape[-1]), spec)
+    _shared_input.put(x, spec, value)
+    return value
+
+
+def _col_input(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor | None, ...]:
+    """``quantize_col_input`` of a saved input ``x`` viewed as ``[M, K]``, shared by the wgrads of the linears that
+    read it (q/k/v, gate/up: their backwards run one after the other)."""
+    cached = _shared_cols.get(x, spec, colwise=False)
+    if cached is not None:
+        return cached
+    value = quantize_col_input(x.reshape(-1, x.shape[-1]), spec)
+    _shared_cols.put(x, spec, value)
+    return value
+
+
+class _FusedRowFP8LinearFunction(torch.autograd.Function):
+    """The row recipe's fused path (``fp8rl.quant.row_linear``); the weight's FP8 operands come in pre-quantized.
+    Saves the input itself (not an FP8 copy): the wgrad's copy needs every token's value before its first byte."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        wq: RowWeight,
+        spec: QuantSpec,
+        need_wgrad: bool,
+    ) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        m = x.numel() // k
+        xq, xs = _row_input(x, spec)
+        assert xq is not None and xs is not None
+        out = row_mm(xq, xs, wq.q, wq.scale, m)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.save_for_backward(x if need_wgrad else None)
+        ctx.wq, ctx.spec, ctx.m, ctx.has_bias = wq, spec, m, bias is not None
+        ctx.weight_dtype = weight.dtype
+        return out.to(x.dtype).reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        wq: RowWeight = ctx.wq
+        n, k = wq.q.shape
+        g2 = grad_out.reshape(-1, n)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gq, gs = quantize_row_input(g2, ctx.spec)
+            grad_x = row_mm(gq, gs, wq.qt, wq.scale_t, ctx.m).to(grad_out.dtype).reshape(*grad_out.shape[:-1], k)
+        if ctx.needs_input_grad[1]:
+            assert x is not None
+            gqt, gst = quantize_col_input(g2, ctx.spec)
+            xqt, xst = _col_input(x, ctx.spec)
+            assert xqt is not None and xst is not None and gqt.shape[1] == xqt.shape[1] == padded_tokens(ctx.m)
+            grad_w = row_mm(gqt, gst, xqt, xst, n).to(ctx.weight_dtype)
+        if ctx.has_bias:
+            grad_b = g2.sum(0).to(ctx.weight_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 class FP8TrainLinear(nn.Linear):
     """``nn.Linear`` whose three GEMMs run in FP8 per ``spec``; parameters unchanged (same names)."""
 
-    _fused_weight: BlockWeight | None = None  # the fused path's FP8 weight operands, per weight version
+    # the fused path's FP8 weight operands (block or row recipe), per weight version
+    _fused_weight: BlockWeight | RowWeight | None = None
     # the reference path's (quantize_weight of W, of W^T), kept only when the gathered weight is released
     _reference_weight: tuple[QuantizedTensor, QuantizedTensor] | None = None
     # FSDP2 re-gathers the weight into the same storage every forward (its version counter says nothing):
@@ -263,16 +347,21 @@ class FP8TrainLinear(nn.Linear):
         new._reference_weight = None
         return new
 
-    def _block_weight(self) -> BlockWeight | None:
-        """The weight's fused-path operands, re-quantized only when the weight changed (its version counter)."""
+    def _fused_operands(self) -> BlockWeight | RowWeight | None:
+        """The weight's fused-path operands (block or row recipe), re-quantized only when the weight changed (its
+        version counter); None where this linear takes the reference path."""
         w = self.weight
-        if not block_linear_supported(self.in_features, self.out_features, self.spec, w.device):
+        block = block_linear_supported(self.in_features, self.out_features, self.spec, w.device)
+        if not block and not row_linear_supported(self.in_features, self.out_features, self.spec, w.device):
             return None
-        cached: BlockWeight | None = getattr(self, "_fused_weight", None)
+        cached: BlockWeight | RowWeight | None = getattr(self, "_fused_weight", None)
         stale = cached is None or (not self.cache_until_changed and cached.key != (w.data_ptr(), w._version))
         if stale:
             with torch.no_grad():
-                cached = quantize_block_weight(w.detach(), self.spec, transpose=True)
+                if block:
+                    cached = quantize_block_weight(w.detach(), self.spec, transpose=True)
+                else:
+                    cached = quantize_row_weight(w.detach(), self.spec)
             self._fused_weight = cached
         return cached
 
@@ -306,20 +395,23 @@ class FP8TrainLinear(nn.Linear):
         """The weight was updated and CUDA graphs read this module's cached FP8 operands
         (``fp8rl.train.graphs``): requantize into the same buffers now (nothing cached: nothing to do)."""
         cached = self._fused_weight
-        if cached is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if isinstance(cached, BlockWeight):
                 self._fused_weight = quantize_block_weight(self.weight.detach(), self.spec, True, into=cached)
+            elif isinstance(cached, RowWeight):
+                self._fused_weight = quantize_row_weight(self.weight.detach(), self.spec, into=cached)
 
     def prepare(self) -> None:
         """Quantize the weight now if the fused path will need it (before a CUDA graph capture)."""
-        self._block_weight()
+        self._fused_operands()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
-        wq = self._block_weight()
+        wq = self._fused_operands()
         if wq is not None:
             need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
-            out = _FusedBlockFP8LinearFunction.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad)
+            fused = _FusedBlockFP8LinearFunction if isinstance(wq, BlockWeight) else _FusedRowFP8LinearFunction
+            out = fused.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad)
         else:
             out = _FP8LinearFunction.apply(x, self.weight, self.bias, self.spec, self._reference_operands())
         if self.release_weight and self.cache_until_changed:

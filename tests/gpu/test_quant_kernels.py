@@ -327,11 +327,11 @@ def test_fused_weight_is_quantized_once_per_weight_version() -> None:
     from fp8rl.train.fp8_linear import FP8TrainLinear
 
     lin = FP8TrainLinear.from_linear(torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16), QuantSpec())
-    first = lin._block_weight()
-    assert first is not None and lin._block_weight() is first  # same version: cached
+    first = lin._fused_operands()
+    assert first is not None and lin._fused_operands() is first  # same version: cached
     with torch.no_grad():
         lin.weight.add_(1.0)  # an optimizer step writes the parameter in place
-    second = lin._block_weight()
+    second = lin._fused_operands()
     assert second is not None and second is not first
     assert torch.equal(second.q.view(torch.uint8), quantize_weight(lin.weight, lin.spec).data.view(torch.uint8))
 
@@ -351,7 +351,7 @@ def test_weight_requantized_in_place_keeps_its_buffers_and_equals_a_fresh_quanti
     new = lin._fused_weight
     assert new is not None and new.qt is not None and new.scale_t_cublas is not None
     assert [t.data_ptr() for t in (new.q, new.scale_cublas, new.qt, new.scale_t_cublas)] == ptrs
-    assert lin._block_weight() is new  # its key is the new weight version: no second quantization
+    assert lin._fused_operands() is new  # its key is the new weight version: no second quantization
     fresh = quantize_block_weight(lin.weight.detach(), lin.spec, transpose=True)
     assert fresh.qt is not None and fresh.scale_t_cublas is not None
     for a, b in [(new.q, fresh.q), (new.qt, fresh.qt)]:

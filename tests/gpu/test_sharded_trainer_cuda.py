@@ -34,23 +34,26 @@ BENCH_FLAGS = ("--activation-checkpointing", "--compile-elementwise")  # the 8B 
 
 
 @pytest.mark.parametrize(
-    ("backend", "precision", "bench"),
+    ("backend", "precision", "bench", "granularity"),
     [
-        pytest.param("torch", "bf16", False, id="torch-bf16"),
-        pytest.param("torch", "fp8", False, id="torch-fp8"),
-        pytest.param("te", "fp8", False, id="te-fp8"),
-        pytest.param("te", "fp8", True, id="te-fp8-bench"),
+        pytest.param("torch", "bf16", False, "block", id="torch-bf16"),
+        pytest.param("torch", "fp8", False, "block", id="torch-fp8"),
+        pytest.param("torch", "fp8", True, "row", id="torch-fp8-row-bench"),
+        pytest.param("te", "fp8", False, "block", id="te-fp8"),
+        pytest.param("te", "fp8", True, "block", id="te-fp8-bench"),
     ],
 )
 def test_sharded_trainer_on_cuda_matches_the_replicated_one(
-    tiny_models: dict[str, Path], tmp_path: Path, backend: str, precision: str, bench: bool
+    tiny_models: dict[str, Path], tmp_path: Path, backend: str, precision: str, bench: bool, granularity: str
 ) -> None:
     """``te``: the TransformerEngine trainer (te.Linear under te.autocast, block scaling) sharded the same way:
     FSDP2 gathers the bf16 weights its te.Linear layers read.  ``bench``: both sides with the 8B benchmark's
-    activation checkpointing and compiled elementwise parts (TE's layers recomputed in the backward)."""
+    activation checkpointing and compiled elementwise parts (TE's layers recomputed in the backward).
+    ``row``: the row recipe's fused linear (``fp8rl.quant.row_linear``) under the same settings."""
     from sharded_trainer_worker import fixed_batch
 
     from fp8rl.config import GRPOConfig
+    from fp8rl.quant import QuantSpec
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -66,7 +69,8 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(ROOT / "tests/integration/sharded_trainer_worker.py"), str(model), str(tmp_path), "--precision",
-           precision, "--device", "cuda", "--backend", backend, *(BENCH_FLAGS if bench else ())]  # fmt: skip
+           precision, "--device", "cuda", "--backend", backend, "--granularity", granularity,
+           *(BENCH_FLAGS if bench else ())]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "result.pt", weights_only=False)
@@ -74,7 +78,8 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
 
     def replicated(checkpointing: bool = bench, compiled: bool = bench) -> tuple[TorchTrainer, list[dict[str, float]]]:
         opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, backend=backend,
-                              activation_checkpointing=checkpointing, compile_elementwise=compiled)  # fmt: skip
+                              activation_checkpointing=checkpointing, compile_elementwise=compiled,
+                              spec=QuantSpec(granularity=granularity))  # fmt: skip
         t = trainer_class(model, opts, device="cuda")
         return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
 

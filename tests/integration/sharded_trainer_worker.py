@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fp8rl.config import GRPOConfig
+from fp8rl.quant import QuantSpec
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch, policy_batch_totals
 
 ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--count-syncs", action="store_true", help="record each rank's synchronisations (CUDA)")
     ap.add_argument("--reduce-grads-once", action="store_true", help="TrainerOptions.reduce_grads_once=True")
+    ap.add_argument("--granularity", default="block", help="the FP8 recipe's quant.granularity (block | row | tensor)")
     ap.add_argument("--loss-on-every-rank", action="store_true", help="fixed_batch(loss_on_every_rank=True)")
     args = ap.parse_args()
     gathers, scatters = _count_calls("all_gather_into_tensor"), _count_calls("reduce_scatter_tensor")
@@ -103,6 +105,7 @@ def main() -> None:
         backend=args.backend, activation_checkpointing=args.activation_checkpointing,
         offload_optimizer_state=args.offload_optimizer_state, fp8_gather_once=not args.no_fp8_gather_once,
         compile_elementwise=args.compile_elementwise, reduce_grads_once=args.reduce_grads_once,
+        spec=QuantSpec(granularity=args.granularity),
     )  # fmt: skip
     trainer: TorchTrainer
     if args.backend == "te":

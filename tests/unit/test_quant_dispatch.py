@@ -72,7 +72,7 @@ def test_train_linear_on_cpu_keeps_the_reference_path() -> None:
 
     torch.manual_seed(0)
     lin = FP8TrainLinear.from_linear(torch.nn.Linear(256, 128, dtype=torch.bfloat16), QuantSpec())
-    assert lin._block_weight() is None
+    assert lin._fused_operands() is None
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     assert torch.equal(lin(x), _FP8LinearFunction.apply(x, lin.weight, lin.bias, lin.spec))
     # the forward is the emulated FP8 GEMM of the reference quantizers

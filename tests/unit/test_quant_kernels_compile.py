@@ -11,7 +11,7 @@ import pytest
 
 tl = pytest.importorskip("triton.language")
 
-from fp8rl.quant import kernels  # noqa: E402
+from fp8rl.quant import kernels, row_linear  # noqa: E402
 from fp8rl.quant.kernels import compile_ahead  # noqa: E402
 
 
@@ -20,6 +20,7 @@ from fp8rl.quant.kernels import compile_ahead  # noqa: E402
 def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_max: float, out: str) -> None:
     fmt = {"FMT_MAX": fmt_max, "POW2": pow2, "OUT": getattr(tl, out)}
     br, warps, _ = kernels.GROUPS_ROWWISE_CONFIG
+    cast_rows, cast_cols, cast_warps = row_linear.CAST_TILE
     bc_t, warps_t, _ = kernels.GROUPS_COLWISE_CONFIG
     # (rows, columns per program, rowwise, transposed, warps): the split mode's two launches, the one-read mode
     group_launches = [(br, 128, True, False, warps), (128, bc_t, False, True, warps_t), (128, 128, True, True, 16)]
@@ -35,5 +36,11 @@ def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_m
         compile_ahead(kernels._tiles_kernel, fp8, fmt | {"BR": 128, "BC": 128, "TRANSPOSE": True}, kernels.TILES_WARPS),
         compile_ahead(kernels._rows_kernel, fp8, fmt | {"BR": 4, "BC": 1024}, 4),
         compile_ahead(kernels._cast_tensor_kernel, fp8, fmt | {"BR": 32, "BC": 256}, 4),
+        compile_ahead(row_linear._cast_cols_kernel, fp8, fmt | {"BR": cast_rows, "BC": cast_cols}, cast_warps),
     ]
     assert all(c[:4] == b"\x7fELF" for c in cubins)  # each an sm_90 ELF cubin
+
+
+def test_the_column_amax_kernel_compiles_for_sm90() -> None:
+    br, bc, warps = row_linear.AMAX_TILE
+    assert compile_ahead(row_linear._col_amax_kernel, "fp8e4nv", {"BR": br, "BC": bc}, warps)[:4] == b"\x7fELF"

@@ -1,0 +1,172 @@
+"""The row recipe's fused FP8 linear (``fp8rl.quant.row_linear``) on a Hopper GPU, against the torch reference.
+
+Its quantizations must be the reference's bytes and scales (``quantize_activation`` / ``quantize_weight`` with
+``granularity='row'`` of X, dY, their transposes, W and W.T), the padding rows zeros; the linear must compute the
+reference linear's function up to the GEMMs' summation order; the input's copies are shared between the linears
+that read one tensor; activation checkpointing changes no bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu]
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("needs a Hopper GPU (torch's row-wise scaled GEMM is sm_90)", allow_module_level=True)
+pytest.importorskip("triton")
+
+from fp8rl.quant import QuantSpec, kernels, quantize_activation, quantize_weight  # noqa: E402
+from fp8rl.quant.formats import get_format  # noqa: E402
+from fp8rl.quant.row_linear import (  # noqa: E402
+    padded_tokens,
+    quantize_cols,
+    quantize_row_weight,
+    row_linear_supported,
+)
+from fp8rl.train.fp8_linear import FP8TrainLinear, _FP8LinearFunction  # noqa: E402
+
+ROW = QuantSpec(granularity="row")
+
+
+def _input(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda") * torch.logspace(-4, 3, k, device="cuda")
+    x = x.bfloat16()
+    x[0, 0] = 0.0
+    if k > 3:
+        x[:, 3] = 0.0  # an all-zero column
+    return x
+
+
+def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (100, 96), (1000, 3000), (4096, 512), (300, 4096)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_row_and_column_copies_equal_the_reference_of_x_and_x_transposed(m: int, k: int, fmt: str, pow2: bool) -> None:
+    x = _input(m, k, m + k)
+    f = get_format(fmt)
+    spec = QuantSpec(granularity="row", fmt=fmt, pow2_scales=pow2)
+    mp = padded_tokens(m)
+    q, s = kernels.quantize_rows(x, f, pow2, rows_out=mp)
+    qt, st = quantize_cols(x, f, pow2, rows_out=mp)
+    ref, ref_t = quantize_activation(x, spec, backend="torch"), quantize_activation(x.t(), spec, backend="torch")
+    assert _equal_bytes(q[:m], ref.data) and torch.equal(s[:m], ref.scale_inv)
+    assert _equal_bytes(qt[:, :m], ref_t.data) and torch.equal(st, ref_t.scale_inv)
+    assert not q[m:].view(torch.uint8).any() and not qt[:, m:].view(torch.uint8).any()  # zero padding rows
+
+
+def test_column_copy_of_a_non_contiguous_input() -> None:
+    x = _input(512, 768, 1)[:, ::2]  # column stride 2
+    qt, st = quantize_cols(x, get_format("e4m3"), False)
+    ref = quantize_activation(x.t(), ROW, backend="torch")
+    assert _equal_bytes(qt, ref.data) and torch.equal(st, ref.scale_inv)
+
+
+def test_row_weight_is_the_reference_of_w_and_w_transposed_and_requantizes_in_place() -> None:
+    w = _input(640, 384, 2)
+    rw = quantize_row_weight(w, ROW)
+    ref, ref_t = quantize_weight(w, ROW, backend="torch"), quantize_weight(w.t(), ROW, backend="torch")
+    assert _equal_bytes(rw.q, ref.data) and torch.equal(rw.scale, ref.scale_inv)
+    assert _equal_bytes(rw.qt, ref_t.data) and torch.equal(rw.scale_t, ref_t.scale_inv)
+    ptrs = [t.data_ptr() for t in (rw.q, rw.scale, rw.qt, rw.scale_t)]
+    again = quantize_row_weight(w * -3, ROW, into=rw)
+    assert [t.data_ptr() for t in (again.q, again.scale, again.qt, again.scale_t)] == ptrs
+    assert _equal_bytes(again.q, quantize_weight(w * -3, ROW, backend="torch").data)
+    with pytest.raises(ValueError, match="cannot requantize"):
+        quantize_row_weight(w[:, :128], ROW, into=rw)
+
+
+@pytest.mark.parametrize("m", [64, 1000, 4096])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_row_linear_matches_the_reference_linear(m: int, bias: bool) -> None:
+    torch.manual_seed(m)
+    base = torch.nn.Linear(512, 768, bias=bias, device="cuda", dtype=torch.bfloat16)
+    lin = FP8TrainLinear.from_linear(base, ROW)
+    assert row_linear_supported(512, 768, ROW, torch.device("cuda"))
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, 768, device="cuda", dtype=torch.bfloat16)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        x.grad = None
+        for p in lin.parameters():
+            p.grad = None
+        y = lin(x) if fused else _FP8LinearFunction.apply(x, lin.weight, lin.bias, lin.spec)
+        y.backward(g)
+        out = [y.detach().float(), x.grad.float(), lin.weight.grad.float()]
+        return out + ([lin.bias.grad.float()] if bias else [])
+
+    fused, ref = run(True), run(False)
+    for a, b in zip(fused, ref, strict=True):
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+    # the same quantized operands: the forward differs from the reference GEMM by summation order only
+    assert ((fused[0] - ref[0]).norm() / ref[0].norm()).item() < 1e-3
+
+
+def test_row_linears_reading_one_input_share_its_copies_and_checkpointing_changes_no_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """q/k/v-style linears on one tensor quantize it once in the forward and once (transposed) for their wgrads;
+    outputs and gradients equal those of separate inputs and of a non-reentrant checkpoint, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fp8rl.train import fp8_linear
+    from fp8rl.train.fp8_linear import checkpoint_contexts
+
+    torch.manual_seed(0)
+    lins = [
+        FP8TrainLinear.from_linear(torch.nn.Linear(512, n, bias=False, device="cuda", dtype=torch.bfloat16), ROW)
+        for n in (512, 128, 128)
+    ]
+    base = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    g = [torch.randn(2, 300, lin.out_features, device="cuda", dtype=torch.bfloat16) for lin in lins]
+    calls: list[str] = []
+    for name in ("quantize_row_input", "quantize_col_input"):
+        real = getattr(fp8_linear, name)
+        monkeypatch.setattr(fp8_linear, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+
+    def run(mode: str) -> list[torch.Tensor]:
+        for lin in lins:
+            lin.weight.grad = None
+        x = base.clone().requires_grad_(True)
+
+        def region(inp: torch.Tensor) -> list[torch.Tensor]:
+            h = inp * 1
+            inputs = [inp * 1 for _ in lins] if mode == "separate" else [h] * len(lins)
+            return [lin(i) for lin, i in zip(lins, inputs, strict=True)]
+
+        if mode == "checkpoint":
+            ys = checkpoint(region, x, use_reentrant=False, context_fn=checkpoint_contexts)
+        else:
+            ys = region(x)
+        torch.autograd.backward(ys, g)
+        return [y.detach() for y in ys] + [lin.weight.grad for lin in lins] + [x.grad]
+
+    separate = run("separate")
+    assert calls.count("quantize_row_input") == 3 + 3 and calls.count("quantize_col_input") == 3 + 3
+    calls.clear()
+    shared = run("shared")
+    # forward: the input once; backward: each dY rowwise (dgrad) and transposed (wgrad), the input transposed once
+    assert calls.count("quantize_row_input") == 1 + 3 and calls.count("quantize_col_input") == 3 + 1
+    checkpointed = run("checkpoint")
+    for a, b, c in zip(shared[:-1], separate[:-1], checkpointed[:-1], strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(shared[-1], checkpointed[-1])
+    # dX: the same three products, summed by autograd in an order that may differ
+    assert ((shared[-1] - separate[-1]).float().norm() / separate[-1].float().norm()).item() < 1e-2
+
+
+def test_row_weight_is_quantized_once_per_weight_version() -> None:
+    lin = FP8TrainLinear.from_linear(torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16), ROW)
+    first = lin._fused_operands()
+    assert first is not None and lin._fused_operands() is first
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    second = lin._fused_operands()
+    assert second is not None and second is not first
+    assert _equal_bytes(second.q, quantize_weight(lin.weight, ROW).data)
+    lin.refresh_weight()  # in place (CUDA graphs): the same buffers, the same bytes
+    assert lin._fused_operands() is not None and lin._fused_operands().q.data_ptr() == second.q.data_ptr()
