@@ -244,14 +244,17 @@ def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
         out["tflops_bf16"] = flop / out["bf16_ms"] / 1e9
         out["tflops_fp8_block"] = flop / out["fp8_block_gemm_ms"] / 1e9
         # the row recipe (fp8rl.quant.row_linear): row-scaled GEMM, the per-token copy, the transposed per-column one
-        from fp8rl.quant.row_linear import quantize_col_input, quantize_row_input, quantize_row_weight, row_mm
+        from fp8rl.quant.row_linear import quantize_row_input, quantize_row_weight, row_mm
 
         row = QuantSpec(granularity="row")
         rw = quantize_row_weight(w, row)
-        rq, rs = quantize_row_input(x, row)
+        rq, rs, _, _ = quantize_row_input(x, row)
+        assert rq is not None and rs is not None
         out["fp8_row_gemm_ms"] = time_ms(lambda: row_mm(rq, rs, rw.q, rw.scale, m))
-        out["row_act_quant_ms"] = time_ms(lambda: quantize_row_input(x, row))
-        out["row_col_quant_ms"] = time_ms(lambda: quantize_col_input(x, row))
+        out["row_act_quant_ms"] = time_ms(lambda: quantize_row_input(x, row))  # one pass, the row copy
+        out["row_both_quant_ms"] = time_ms(lambda: quantize_row_input(x, row, colwise=True))  # + transposed copy
+        out["row_col_quant_ms"] = time_ms(lambda: quantize_row_input(x, row, rowwise=False, colwise=True))
+        out["block_both_quant_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=True))
     return out
 
 

@@ -168,13 +168,11 @@ if triton is not None:
 
     @triton.jit
     def _rows_kernel(
-        x_ptr, q_ptr, s_ptr, R, C, R_OUT, sx_r, sx_c, sq_r,
+        x_ptr, q_ptr, s_ptr, R, C, sx_r, sx_c, sq_r,
         FMT_MAX: tl.constexpr, POW2: tl.constexpr, OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
-        # rows [R, R_OUT) are written as zeros (their scale that of an all-zero row): padding a GEMM needs
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         row_ok = rows[:, None] < R
-        out_ok = rows[:, None] < R_OUT
         base = x_ptr + rows[:, None].to(tl.int64) * sx_r
         amax = tl.zeros([BR], dtype=tl.float32)
         for c0 in range(0, C, BC):
@@ -185,11 +183,10 @@ if triton is not None:
         inv = _inverse(s)[:, None]
         for c0 in range(0, C, BC):
             cols = c0 + tl.arange(0, BC)
-            col_ok = cols[None, :] < C
-            x = tl.load(base + cols[None, :].to(tl.int64) * sx_c, mask=row_ok & col_ok, other=0.0).to(tl.float32)
-            q = _cast(x, inv, FMT_MAX, OUT)
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], q, mask=out_ok & col_ok)
-        tl.store(s_ptr + rows, s, mask=rows < R_OUT)
+            ok = row_ok & (cols[None, :] < C)
+            x = tl.load(base + cols[None, :].to(tl.int64) * sx_c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * sq_r + cols[None, :], _cast(x, inv, FMT_MAX, OUT), mask=ok)
+        tl.store(s_ptr + rows, s, mask=rows < R)
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, R, C, sx_r, sx_c, BR: tl.constexpr, BC: tl.constexpr):
@@ -461,27 +458,18 @@ def quantize_tiles(
     return q, s, qt, st
 
 
-def quantize_rows(
-    x: torch.Tensor, fmt: FP8Format, pow2: bool, rows_out: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row of ``x [..., C]``: ``(q [..., C], s [..., 1])``.  ``rows_out`` (>= the row count of ``x``
-    viewed as ``[R, C]``) returns ``(q [rows_out, C], s [rows_out, 1])`` instead, the extra rows zeros (a GEMM's
-    padding; their scale is an all-zero row's)."""
+def quantize_rows(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of ``x [..., C]``: ``(q [..., C], s [..., 1])``."""
     x2 = _as_2d(x)
     r, c = x2.shape
-    r_out = r if rows_out is None else rows_out
-    if r_out < r:
-        raise ValueError(f"rows_out ({r_out}) must be at least the row count ({r})")
-    q = torch.empty(r_out, c, dtype=fmt.dtype, device=x.device)
-    s = torch.empty(r_out, 1, dtype=torch.float32, device=x.device)
-    if r_out and c:
+    q = torch.empty(r, c, dtype=fmt.dtype, device=x.device)
+    s = torch.empty(r, 1, dtype=torch.float32, device=x.device)
+    if r and c:
         br = 4
         _launch(
-            _rows_kernel, (triton.cdiv(r_out, br),), (x2, q, s, r, c, r_out, x2.stride(0), x2.stride(1), c), 4,
-            ("1x", c, "/", r_out, "x", c, "/", COPIES[True, False]), FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=1024,
+            _rows_kernel, (triton.cdiv(r, br),), (x2, q, s, r, c, x2.stride(0), x2.stride(1), c), 4,
+            FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=1024,
         )  # fmt: skip
-    if rows_out is not None:
-        return q, s
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 
 

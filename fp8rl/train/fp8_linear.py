@@ -19,8 +19,8 @@ rollout engine and in the converted checkpoint.  Two paths compute the same FP8 
   Under activation checkpointing (``checkpoint_contexts``) a layer's first forward makes no transposed copy of X:
   what it saves is dropped, and the recompute before the backward makes the copy the wgrad reads.
 - fused row (CUDA, Hopper, row recipe, K and N multiples of 16; ``fp8rl.quant.row_linear``): a scale per token and
-  per channel, row-scaled GEMMs; the input's quantization shared as above (and its transposed copy between the
-  wgrads that read it), the weight's two copies cached per weight version the same way.
+  per channel, row-scaled GEMMs, otherwise as the block path (the input's copies shared, the transposed one kept
+  for the backward and made only in the recompute under checkpointing, the weight's two copies cached per version).
 - reference (everything else, the CPU): the torch quantizers and ``fp8_gemm`` (tensor cores
   where cuBLAS takes the operands, exact emulation on CPU).
 
@@ -54,7 +54,6 @@ from fp8rl.quant.formats import get_format
 from fp8rl.quant.row_linear import (
     RowWeight,
     padded_tokens,
-    quantize_col_input,
     quantize_row_input,
     quantize_row_weight,
     row_linear_supported,
@@ -246,33 +245,21 @@ class _FusedBlockFP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-_shared_cols = _SharedInput()  # the row path's transposed copy of a saved input, for the next wgrad that reads it
-
-
-def _row_input(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor | None, ...]:
-    """``quantize_row_input`` of ``x`` viewed as ``[M, K]``, shared with the previous linear when it read ``x``."""
-    cached = _shared_input.get(x, spec, colwise=False)
+def _row_input(x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...]:
+    """``quantize_row_input`` of ``x`` viewed as ``[M, K]`` (with its transposed copy if ``colwise``), shared with the
+    previous linear when it read ``x``."""
+    cached = _shared_input.get(x, spec, colwise)
     if cached is not None:
         return cached
-    value = quantize_row_input(x.reshape(-1, x.shape[-1]), spec)
+    value = quantize_row_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise)
     _shared_input.put(x, spec, value)
     return value
 
 
-def _col_input(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor | None, ...]:
-    """``quantize_col_input`` of a saved input ``x`` viewed as ``[M, K]``, shared by the wgrads of the linears that
-    read it (q/k/v, gate/up: their backwards run one after the other)."""
-    cached = _shared_cols.get(x, spec, colwise=False)
-    if cached is not None:
-        return cached
-    value = quantize_col_input(x.reshape(-1, x.shape[-1]), spec)
-    _shared_cols.put(x, spec, value)
-    return value
-
-
 class _FusedRowFP8LinearFunction(torch.autograd.Function):
-    """The row recipe's fused path (``fp8rl.quant.row_linear``); the weight's FP8 operands come in pre-quantized.
-    Saves the input itself (not an FP8 copy): the wgrad's copy needs every token's value before its first byte."""
+    """The row recipe's fused path (``fp8rl.quant.row_linear``), shaped as the block one: the weight's FP8 operands
+    come in pre-quantized, the forward saves the input's transposed FP8 copy (a checkpointed first forward: stride-0
+    placeholders, the recompute the real copy)."""
 
     @staticmethod
     def forward(
@@ -286,31 +273,40 @@ class _FusedRowFP8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         m = x.numel() // k
-        xq, xs = _row_input(x, spec)
+        discarded = need_wgrad and _checkpoint_state.discarded
+        xq, xs, xqt, xst = _row_input(x, spec, colwise=need_wgrad and not discarded)
         assert xq is not None and xs is not None
         out = row_mm(xq, xs, wq.q, wq.scale, m)
         if bias is not None:
             out = out + bias.to(out.dtype)
-        ctx.save_for_backward(x if need_wgrad else None)
+        if discarded:
+            fp8 = get_format(spec.fmt).dtype
+            xqt = torch.empty((), dtype=fp8, device=x.device).expand(k, padded_tokens(m))
+            xst = torch.empty((), dtype=torch.float32, device=x.device).expand(k, 1)
+        ctx.save_for_backward(xqt, xst)
         ctx.wq, ctx.spec, ctx.m, ctx.has_bias = wq, spec, m, bias is not None
         ctx.weight_dtype = weight.dtype
         return out.to(x.dtype).reshape(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
+        xqt, xst = ctx.saved_tensors
         wq: RowWeight = ctx.wq
         n, k = wq.q.shape
         g2 = grad_out.reshape(-1, n)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gq, gs, gqt, gst = quantize_row_input(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            gq, gs = quantize_row_input(g2, ctx.spec)
+        if need_dgrad:
+            assert gq is not None and gs is not None
             grad_x = row_mm(gq, gs, wq.qt, wq.scale_t, ctx.m).to(grad_out.dtype).reshape(*grad_out.shape[:-1], k)
-        if ctx.needs_input_grad[1]:
-            assert x is not None
-            gqt, gst = quantize_col_input(g2, ctx.spec)
-            xqt, xst = _col_input(x, ctx.spec)
-            assert xqt is not None and xst is not None and gqt.shape[1] == xqt.shape[1] == padded_tokens(ctx.m)
+        if need_wgrad:
+            assert gqt is not None and gst is not None and xqt is not None
+            if xqt.stride(-1) == 0:
+                raise RuntimeError(
+                    "a checkpointed first forward's FP8 placeholder reached the backward (the recompute did not "
+                    "replace it): fp8rl.train.fp8_linear.checkpoint_contexts needs non-reentrant torch.utils.checkpoint"
+                )
             grad_w = row_mm(gqt, gst, xqt, xst, n).to(ctx.weight_dtype)
         if ctx.has_bias:
             grad_b = g2.sum(0).to(ctx.weight_dtype)

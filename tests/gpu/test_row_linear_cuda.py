@@ -16,12 +16,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
     pytest.skip("needs a Hopper GPU (torch's row-wise scaled GEMM is sm_90)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from fp8rl.quant import QuantSpec, kernels, quantize_activation, quantize_weight  # noqa: E402
+from fp8rl.quant import QuantSpec, quantize_activation, quantize_weight  # noqa: E402
 from fp8rl.quant.formats import get_format  # noqa: E402
 from fp8rl.quant.row_linear import (  # noqa: E402
     padded_tokens,
-    quantize_cols,
+    quantize_row_input,
     quantize_row_weight,
+    quantize_rows_cols,
     row_linear_supported,
 )
 from fp8rl.train.fp8_linear import FP8TrainLinear, _FP8LinearFunction  # noqa: E402
@@ -43,27 +44,37 @@ def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize(("m", "k"), [(1, 64), (100, 96), (1000, 3000), (4096, 512), (300, 4096)])
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (100, 96), (1000, 3000), (4096, 512), (300, 4096), (40, 20000)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("pow2", [False, True])
 def test_row_and_column_copies_equal_the_reference_of_x_and_x_transposed(m: int, k: int, fmt: str, pow2: bool) -> None:
+    """Every way the row path quantizes an input: the row copy alone (one pass; two passes past its width limit),
+    both copies from one cast pass, the transposed copy alone; padded to 16 rows with zeros."""
     x = _input(m, k, m + k)
-    f = get_format(fmt)
     spec = QuantSpec(granularity="row", fmt=fmt, pow2_scales=pow2)
     mp = padded_tokens(m)
-    q, s = kernels.quantize_rows(x, f, pow2, rows_out=mp)
-    qt, st = quantize_cols(x, f, pow2, rows_out=mp)
     ref, ref_t = quantize_activation(x, spec, backend="torch"), quantize_activation(x.t(), spec, backend="torch")
-    assert _equal_bytes(q[:m], ref.data) and torch.equal(s[:m], ref.scale_inv)
-    assert _equal_bytes(qt[:, :m], ref_t.data) and torch.equal(st, ref_t.scale_inv)
-    assert not q[m:].view(torch.uint8).any() and not qt[:, m:].view(torch.uint8).any()  # zero padding rows
+    for rowwise, colwise in [(True, False), (True, True), (False, True)]:
+        q, s, qt, st = quantize_row_input(x, spec, rowwise=rowwise, colwise=colwise)
+        assert (q is not None) == rowwise and (qt is not None) == colwise
+        if q is not None and s is not None:
+            assert q.shape == (mp, k) and _equal_bytes(q[:m], ref.data) and torch.equal(s[:m], ref.scale_inv)
+            assert not q[m:].view(torch.uint8).any()  # zero padding rows
+        if qt is not None and st is not None:
+            assert qt.shape == (k, mp) and _equal_bytes(qt[:, :m], ref_t.data) and torch.equal(st, ref_t.scale_inv)
+            assert not qt[:, m:].view(torch.uint8).any()
+    q2, s2, _, _ = quantize_rows_cols(x, get_format(fmt), pow2, mp, rowwise=True, colwise=False)  # two-pass rows
+    assert q2 is not None and s2 is not None
+    assert _equal_bytes(q2[:m], ref.data) and torch.equal(s2[:m], ref.scale_inv)
 
 
-def test_column_copy_of_a_non_contiguous_input() -> None:
+def test_copies_of_a_non_contiguous_input() -> None:
     x = _input(512, 768, 1)[:, ::2]  # column stride 2
-    qt, st = quantize_cols(x, get_format("e4m3"), False)
-    ref = quantize_activation(x.t(), ROW, backend="torch")
-    assert _equal_bytes(qt, ref.data) and torch.equal(st, ref.scale_inv)
+    q, s, qt, st = quantize_rows_cols(x, get_format("e4m3"), False, rowwise=True, colwise=True)
+    assert q is not None and s is not None and qt is not None and st is not None
+    ref, ref_t = quantize_activation(x, ROW, backend="torch"), quantize_activation(x.t(), ROW, backend="torch")
+    assert _equal_bytes(q, ref.data) and torch.equal(s, ref.scale_inv)
+    assert _equal_bytes(qt, ref_t.data) and torch.equal(st, ref_t.scale_inv)
 
 
 def test_row_weight_is_the_reference_of_w_and_w_transposed_and_requantizes_in_place() -> None:
@@ -109,8 +120,9 @@ def test_fused_row_linear_matches_the_reference_linear(m: int, bias: bool) -> No
 def test_row_linears_reading_one_input_share_its_copies_and_checkpointing_changes_no_bit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """q/k/v-style linears on one tensor quantize it once in the forward and once (transposed) for their wgrads;
-    outputs and gradients equal those of separate inputs and of a non-reentrant checkpoint, bit for bit."""
+    """q/k/v-style linears on one tensor quantize it once; under ``checkpoint_contexts`` the first forward makes the
+    row copy alone and the recompute both; outputs and gradients equal those of separate inputs and of no
+    checkpointing, bit for bit."""
     from torch.utils.checkpoint import checkpoint
 
     from fp8rl.train import fp8_linear
@@ -123,10 +135,11 @@ def test_row_linears_reading_one_input_share_its_copies_and_checkpointing_change
     ]
     base = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
     g = [torch.randn(2, 300, lin.out_features, device="cuda", dtype=torch.bfloat16) for lin in lins]
-    calls: list[str] = []
-    for name in ("quantize_row_input", "quantize_col_input"):
-        real = getattr(fp8_linear, name)
-        monkeypatch.setattr(fp8_linear, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    calls: list[tuple[bool, bool]] = []
+    real = fp8_linear.quantize_row_input
+    monkeypatch.setattr(
+        fp8_linear, "quantize_row_input", lambda *a, **k: calls.append((k["rowwise"], k["colwise"])) or real(*a, **k)
+    )
 
     def run(mode: str) -> list[torch.Tensor]:
         for lin in lins:
@@ -138,20 +151,19 @@ def test_row_linears_reading_one_input_share_its_copies_and_checkpointing_change
             inputs = [inp * 1 for _ in lins] if mode == "separate" else [h] * len(lins)
             return [lin(i) for lin, i in zip(lins, inputs, strict=True)]
 
-        if mode == "checkpoint":
-            ys = checkpoint(region, x, use_reentrant=False, context_fn=checkpoint_contexts)
-        else:
-            ys = region(x)
+        ys = checkpoint(region, x, use_reentrant=False, context_fn=checkpoint_contexts) if mode == "checkpoint" else (
+            region(x))  # fmt: skip
         torch.autograd.backward(ys, g)
         return [y.detach() for y in ys] + [lin.weight.grad for lin in lins] + [x.grad]
 
     separate = run("separate")
-    assert calls.count("quantize_row_input") == 3 + 3 and calls.count("quantize_col_input") == 3 + 3
+    assert calls == [(True, True)] * 3 + [(True, True)] * 3  # each input, then each dY
     calls.clear()
     shared = run("shared")
-    # forward: the input once; backward: each dY rowwise (dgrad) and transposed (wgrad), the input transposed once
-    assert calls.count("quantize_row_input") == 1 + 3 and calls.count("quantize_col_input") == 3 + 1
+    assert calls == [(True, True)] + [(True, True)] * 3  # the input once
+    calls.clear()
     checkpointed = run("checkpoint")
+    assert calls[0] == (True, False) and calls[1] == (True, True)  # first forward: no transposed copy; recompute
     for a, b, c in zip(shared[:-1], separate[:-1], checkpointed[:-1], strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
     assert torch.equal(shared[-1], checkpointed[-1])

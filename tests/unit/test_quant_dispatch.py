@@ -67,6 +67,17 @@ def test_fused_linear_path_is_hopper_cuda_block_only() -> None:
     assert padded_rows(1, 16) == 16 and padded_rows(129, 128) == 256 and padded_rows(0, 16) == 16
 
 
+def test_fused_row_path_is_hopper_cuda_row_recipe_only() -> None:
+    from fp8rl.quant.row_linear import padded_tokens, row_linear_supported
+    from fp8rl.train.fp8_linear import FP8TrainLinear
+
+    row = QuantSpec(granularity="row")
+    assert not row_linear_supported(4096, 4096, row, torch.device("cpu"))
+    assert padded_tokens(0) == 16 and padded_tokens(16) == 16 and padded_tokens(17) == 32
+    lin = FP8TrainLinear.from_linear(torch.nn.Linear(256, 128, dtype=torch.bfloat16), row)
+    assert lin._fused_operands() is None  # on the CPU: the reference linear, row-scaled
+
+
 def test_train_linear_on_cpu_keeps_the_reference_path() -> None:
     from fp8rl.train.fp8_linear import FP8TrainLinear, _FP8LinearFunction
 

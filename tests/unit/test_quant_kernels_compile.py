@@ -36,11 +36,23 @@ def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_m
         compile_ahead(kernels._tiles_kernel, fp8, fmt | {"BR": 128, "BC": 128, "TRANSPOSE": True}, kernels.TILES_WARPS),
         compile_ahead(kernels._rows_kernel, fp8, fmt | {"BR": 4, "BC": 1024}, 4),
         compile_ahead(kernels._cast_tensor_kernel, fp8, fmt | {"BR": 32, "BC": 256}, 4),
-        compile_ahead(row_linear._cast_cols_kernel, fp8, fmt | {"BR": cast_rows, "BC": cast_cols}, cast_warps),
+    ]
+    cubins += [
+        compile_ahead(
+            row_linear._cast_rows_cols_kernel, fp8,
+            fmt | {"BR": cast_rows, "BC": cast_cols, "ROWWISE": rw, "TRANSPOSE": tr}, cast_warps,
+        )
+        for rw, tr in ((True, False), (True, True), (False, True))
+    ]  # fmt: skip
+    cubins += [
+        compile_ahead(row_linear._row_one_pass_kernel, fp8, fmt | {"BC": bc}, 8)
+        for bc in (4096, row_linear.ONE_PASS_MAX)
     ]
     assert all(c[:4] == b"\x7fELF" for c in cubins)  # each an sm_90 ELF cubin
 
 
-def test_the_column_amax_kernel_compiles_for_sm90() -> None:
+def test_the_row_and_column_amax_kernel_compiles_for_sm90() -> None:
     br, bc, warps = row_linear.AMAX_TILE
-    assert compile_ahead(row_linear._col_amax_kernel, "fp8e4nv", {"BR": br, "BC": bc}, warps)[:4] == b"\x7fELF"
+    for rows, cols in ((True, False), (True, True), (False, True)):
+        consts = {"BR": br, "BC": bc, "ROWS": rows, "COLS": cols}
+        assert compile_ahead(row_linear._amax_rows_cols_kernel, "fp8e4nv", consts, warps)[:4] == b"\x7fELF"
