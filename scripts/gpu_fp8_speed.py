@@ -268,7 +268,7 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
     for variant in a.rl_variants.split(","):  # a precision; "-regather": optim.fp8_gather_once off
         out[variant] = rlprofile_variant(variant, a, world, device, batch, adv, mask, totals)
-    for fp8 in (v for v in out if isinstance(out[v], dict) and v.startswith("fp8") and "bf16" in out):
+    for fp8 in [v for v in out if isinstance(out[v], dict) and v.startswith("fp8") and "bf16" in out]:
         for k in ("logprob_s", "train_s"):
             out[f"{fp8}_vs_bf16_{k}"] = out["bf16"][k] / out[fp8][k]
         say(f"[rlprofile] {fp8} vs bf16: logprob {out[f'{fp8}_vs_bf16_logprob_s']:.2f}x, "

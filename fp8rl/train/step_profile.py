@@ -63,7 +63,8 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "sm90_", "aten::mm", "aten::addmm", "aten::bmm")),
     # fp8rl's Triton kernels, then TransformerEngine's (cast + transpose, block quantization, amax)
-    ("fp8_quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel", "_cast_cols",
+    ("fp8_quantize", ("_groups_kernel", "_tiles_kernel", "_rows_kernel", "_cast_tensor", "_amax_kernel",
+                      "_row_one_pass", "_amax_rows_cols", "_cast_rows_cols",
                       "cast_transpose", "quantize_transpose", "block_scaled_1d", "compute_amax")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("nccl", ("nccl",)),

@@ -188,3 +188,21 @@ def test_the_other_kernels_are_labelled_by_what_they_compute_and_the_longest_rep
     add = kernel_label(add_f32)  # two names with one label are summed; GEMMs are not "other"; n=1 keeps the longest
     assert got == {TOP_OTHER_MS_PREFIX + add: 6.0, TOP_OTHER_CALLS_PREFIX + add: 5.0}
     assert len(top_kernels(SimpleNamespace(key_averages=lambda: events))) == 4
+
+
+def test_every_fp8rl_quantization_kernel_is_counted_as_quantization() -> None:
+    """Each Triton kernel of ``fp8rl.quant.kernels`` and ``fp8rl.quant.row_linear`` (by the name a profiler shows)
+    falls in ``fp8_quantize``, so a new or renamed kernel is not filed under "other"."""
+    pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    from fp8rl.quant import kernels, row_linear
+
+    names = [
+        obj.fn.__name__
+        for module in (kernels, row_linear)
+        for obj in vars(module).values()
+        if isinstance(obj, JITFunction) and obj.fn.__name__.endswith("_kernel")
+    ]
+    assert len(names) >= 8
+    assert {n: category(n) for n in names} == dict.fromkeys(names, "fp8_quantize")
