@@ -191,60 +191,6 @@ def _placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tupl
     )
 
 
-class _FusedBlockFP8LinearFunction(torch.autograd.Function):
-    """The fused path (see the module docstring); the weight's FP8 operands come in pre-quantized."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        wq: BlockWeight,
-        spec: QuantSpec,
-        need_wgrad: bool,  # decided by the caller: grad mode is always off inside forward
-    ) -> torch.Tensor:
-        lead, k = x.shape[:-1], x.shape[-1]
-        m = x.numel() // k
-        discarded = need_wgrad and _checkpoint_state.discarded  # saved tensors dropped: no transposed copy
-        xq, xs, xqt, xst = _quantize_input(x, spec, colwise=need_wgrad and not discarded, wgrad_rows=need_wgrad)
-        assert xq is not None and xs is not None
-        out = block_mm(xq, xs, wq.q, wq.scale_cublas, m)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        if discarded:
-            xqt, xst = _placeholders(k, m, spec, x.device)
-        ctx.save_for_backward(xqt, xst)
-        ctx.wq, ctx.spec, ctx.m, ctx.has_bias = wq, spec, m, bias is not None
-        ctx.weight_dtype = weight.dtype
-        return out.to(x.dtype).reshape(*lead, weight.shape[0])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        xqt, xst = ctx.saved_tensors
-        wq: BlockWeight = ctx.wq
-        n = wq.q.shape[0]
-        g2 = grad_out.reshape(-1, n)
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gs, gqt, gst = quantize_block_input(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
-        grad_x = grad_w = grad_b = None
-        if need_dgrad:
-            assert wq.qt is not None and wq.scale_t_cublas is not None and gq is not None and gs is not None
-            grad_x = block_mm(gq, gs, wq.qt, wq.scale_t_cublas, ctx.m).to(grad_out.dtype)
-            grad_x = grad_x.reshape(*grad_out.shape[:-1], wq.q.shape[1])
-        if need_wgrad:
-            assert gqt is not None and gst is not None and xqt is not None
-            if xqt.stride(-1) == 0:  # the real copies are contiguous; a placeholder here would be a wrong gradient
-                raise RuntimeError(
-                    "a checkpointed first forward's FP8 placeholder reached the backward (the recompute did not "
-                    "replace it): fp8rl.train.fp8_linear.checkpoint_contexts needs non-reentrant torch.utils.checkpoint"
-                )
-            grad_w = block_wgrad(gqt, gst, xqt, xst).to(ctx.weight_dtype)
-        if ctx.has_bias:
-            grad_b = g2.sum(0).to(ctx.weight_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
-
-
 def _row_input(x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...]:
     """``quantize_row_input`` of ``x`` viewed as ``[M, K]`` (with its transposed copy if ``colwise``), shared with the
     previous linear when it read ``x``."""
@@ -256,10 +202,75 @@ def _row_input(x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.T
     return value
 
 
-class _FusedRowFP8LinearFunction(torch.autograd.Function):
-    """The row recipe's fused path (``fp8rl.quant.row_linear``), shaped as the block one: the weight's FP8 operands
-    come in pre-quantized, the forward saves the input's transposed FP8 copy (a checkpointed first forward: stride-0
-    placeholders, the recompute the real copy)."""
+class BlockOps:
+    """The block recipe's operands and GEMMs for ``_FusedFP8LinearFunction`` (``fp8rl.quant.block_linear``).
+
+    An ops class gives: ``input`` (an input's ``(q, s, qt, st)``, shared between linears that read it; ``qt`` only
+    with ``colwise``), ``grad`` (dY's copies), ``placeholders`` (stride-0 stand-ins shaped as ``input``'s ``qt, st``),
+    ``forward_mm`` / ``dgrad_mm`` (with the weight operands) and ``wgrad_mm``.  The methods look this module's
+    names up when called (tests wrap them)."""
+
+    @staticmethod
+    def input(x: torch.Tensor, spec: QuantSpec, colwise: bool, wgrad_rows: bool) -> tuple[torch.Tensor | None, ...]:
+        return _quantize_input(x, spec, colwise=colwise, wgrad_rows=wgrad_rows)
+
+    @staticmethod
+    def grad(g2: torch.Tensor, spec: QuantSpec, rowwise: bool, colwise: bool) -> tuple[torch.Tensor | None, ...]:
+        return quantize_block_input(g2, spec, rowwise=rowwise, colwise=colwise)
+
+    @staticmethod
+    def placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return _placeholders(k, m, spec, device)
+
+    @staticmethod
+    def forward_mm(xq: torch.Tensor, xs: torch.Tensor, wq: Any, m: int) -> torch.Tensor:
+        return block_mm(xq, xs, wq.q, wq.scale_cublas, m)
+
+    @staticmethod
+    def dgrad_mm(gq: torch.Tensor, gs: torch.Tensor, wq: Any, m: int) -> torch.Tensor:
+        assert wq.qt is not None and wq.scale_t_cublas is not None
+        return block_mm(gq, gs, wq.qt, wq.scale_t_cublas, m)
+
+    @staticmethod
+    def wgrad_mm(gqt: torch.Tensor, gst: torch.Tensor, xqt: torch.Tensor, xst: torch.Tensor) -> torch.Tensor:
+        return block_wgrad(gqt, gst, xqt, xst)
+
+
+class RowOps:
+    """The row recipe's (``fp8rl.quant.row_linear``), as ``BlockOps``: tokens padded to 16 either way."""
+
+    @staticmethod
+    def input(x: torch.Tensor, spec: QuantSpec, colwise: bool, wgrad_rows: bool) -> tuple[torch.Tensor | None, ...]:
+        return _row_input(x, spec, colwise)
+
+    @staticmethod
+    def grad(g2: torch.Tensor, spec: QuantSpec, rowwise: bool, colwise: bool) -> tuple[torch.Tensor | None, ...]:
+        return quantize_row_input(g2, spec, rowwise=rowwise, colwise=colwise)
+
+    @staticmethod
+    def placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        fp8 = get_format(spec.fmt).dtype
+        return (
+            torch.empty((), dtype=fp8, device=device).expand(k, padded_tokens(m)),
+            torch.empty((), dtype=torch.float32, device=device).expand(k, 1),
+        )
+
+    @staticmethod
+    def forward_mm(xq: torch.Tensor, xs: torch.Tensor, wq: Any, m: int) -> torch.Tensor:
+        return row_mm(xq, xs, wq.q, wq.scale, m)
+
+    @staticmethod
+    def dgrad_mm(gq: torch.Tensor, gs: torch.Tensor, wq: Any, m: int) -> torch.Tensor:
+        return row_mm(gq, gs, wq.qt, wq.scale_t, m)
+
+    @staticmethod
+    def wgrad_mm(gqt: torch.Tensor, gst: torch.Tensor, xqt: torch.Tensor, xst: torch.Tensor) -> torch.Tensor:
+        return row_mm(gqt, gst, xqt, xst, gqt.shape[0])
+
+
+class _FusedFP8LinearFunction(torch.autograd.Function):
+    """The fused path (see the module docstring); ``ops`` (``BlockOps``, ``RowOps``) is the recipe's operands and
+    GEMMs, ``wq`` its weight operands (``q [N, K]`` and ``qt``), quantized before."""
 
     @staticmethod
     def forward(
@@ -267,50 +278,48 @@ class _FusedRowFP8LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        wq: RowWeight,
+        wq: Any,
         spec: QuantSpec,
-        need_wgrad: bool,
+        need_wgrad: bool,  # decided by the caller: grad mode is always off inside forward
+        ops: Any,
     ) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         m = x.numel() // k
-        discarded = need_wgrad and _checkpoint_state.discarded
-        xq, xs, xqt, xst = _row_input(x, spec, colwise=need_wgrad and not discarded)
+        discarded = need_wgrad and _checkpoint_state.discarded  # saved tensors dropped: no transposed copy
+        xq, xs, xqt, xst = ops.input(x, spec, colwise=need_wgrad and not discarded, wgrad_rows=need_wgrad)
         assert xq is not None and xs is not None
-        out = row_mm(xq, xs, wq.q, wq.scale, m)
+        out = ops.forward_mm(xq, xs, wq, m)
         if bias is not None:
             out = out + bias.to(out.dtype)
         if discarded:
-            fp8 = get_format(spec.fmt).dtype
-            xqt = torch.empty((), dtype=fp8, device=x.device).expand(k, padded_tokens(m))
-            xst = torch.empty((), dtype=torch.float32, device=x.device).expand(k, 1)
+            xqt, xst = ops.placeholders(k, m, spec, x.device)
         ctx.save_for_backward(xqt, xst)
-        ctx.wq, ctx.spec, ctx.m, ctx.has_bias = wq, spec, m, bias is not None
+        ctx.wq, ctx.spec, ctx.m, ctx.has_bias, ctx.ops = wq, spec, m, bias is not None, ops
         ctx.weight_dtype = weight.dtype
         return out.to(x.dtype).reshape(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xqt, xst = ctx.saved_tensors
-        wq: RowWeight = ctx.wq
-        n, k = wq.q.shape
+        n, k = ctx.wq.q.shape
         g2 = grad_out.reshape(-1, n)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gs, gqt, gst = quantize_row_input(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
+        gq, gs, gqt, gst = ctx.ops.grad(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
         grad_x = grad_w = grad_b = None
         if need_dgrad:
             assert gq is not None and gs is not None
-            grad_x = row_mm(gq, gs, wq.qt, wq.scale_t, ctx.m).to(grad_out.dtype).reshape(*grad_out.shape[:-1], k)
+            grad_x = ctx.ops.dgrad_mm(gq, gs, ctx.wq, ctx.m).to(grad_out.dtype).reshape(*grad_out.shape[:-1], k)
         if need_wgrad:
             assert gqt is not None and gst is not None and xqt is not None
-            if xqt.stride(-1) == 0:
+            if xqt.stride(-1) == 0:  # the real copies are contiguous; a placeholder here would be a wrong gradient
                 raise RuntimeError(
                     "a checkpointed first forward's FP8 placeholder reached the backward (the recompute did not "
                     "replace it): fp8rl.train.fp8_linear.checkpoint_contexts needs non-reentrant torch.utils.checkpoint"
                 )
-            grad_w = row_mm(gqt, gst, xqt, xst, n).to(ctx.weight_dtype)
+            grad_w = ctx.ops.wgrad_mm(gqt, gst, xqt, xst).to(ctx.weight_dtype)
         if ctx.has_bias:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class FP8TrainLinear(nn.Linear):
@@ -406,8 +415,8 @@ class FP8TrainLinear(nn.Linear):
         wq = self._fused_operands()
         if wq is not None:
             need_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
-            fused = _FusedBlockFP8LinearFunction if isinstance(wq, BlockWeight) else _FusedRowFP8LinearFunction
-            out = fused.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad)
+            ops = BlockOps if isinstance(wq, BlockWeight) else RowOps
+            out = _FusedFP8LinearFunction.apply(x, self.weight, self.bias, wq, self.spec, need_wgrad, ops)
         else:
             out = _FP8LinearFunction.apply(x, self.weight, self.bias, self.spec, self._reference_operands())
         if self.release_weight and self.cache_until_changed:
