@@ -175,13 +175,17 @@ def test_block_gemms_match_emulation(mnk: tuple[int, int, int]) -> None:
 @hopper
 @pytest.mark.parametrize("m", [64, 1000, 4096])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_train_linear_matches_the_reference_linear(m: int, bias: bool) -> None:
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_fused_train_linear_matches_the_reference_linear(m: int, bias: bool, granularity: str) -> None:
+    """The block and the row recipe's fused paths (``fp8rl.quant.block_linear``, ``fp8rl.quant.row_linear``)."""
+    from fp8rl.quant.row_linear import row_linear_supported
     from fp8rl.train.fp8_linear import FP8TrainLinear, _FP8LinearFunction
 
     torch.manual_seed(m)
     base = torch.nn.Linear(512, 768, bias=bias, device="cuda", dtype=torch.bfloat16)
-    lin = FP8TrainLinear.from_linear(base, QuantSpec())
-    assert block_linear_supported(512, 768, lin.spec, torch.device("cuda"))
+    lin = FP8TrainLinear.from_linear(base, QuantSpec(granularity=granularity))  # type: ignore[arg-type]
+    supported = block_linear_supported if granularity == "block" else row_linear_supported
+    assert supported(512, 768, lin.spec, torch.device("cuda")) and lin._fused_operands() is not None
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(m, 768, device="cuda", dtype=torch.bfloat16)
 
