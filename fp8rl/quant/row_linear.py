@@ -12,8 +12,9 @@ reduction dimension, so the scales factor out of the dot products (``out[m, n] =
 These are the reference's quantizations (``quantize_activation`` of ``X``, ``dY``, ``dY.T``, ``X.T`` and
 ``quantize_weight`` of ``W`` and ``W.T`` with ``granularity='row'``), byte for byte: only the GEMMs' summation order
 differs from the reference linear.  The rollout engine's per-channel weights (``rollout.fp8_scaling: channel``) are
-the forward's ``W`` copy.  The GEMMs are ``torch._scaled_mm`` with row-wise scales (CUTLASS on sm_90), which run
-Llama-8B shapes faster than the 1x128 / 128x128 block-scaled ones (``fp8rl bench kernels``).
+the forward's ``W`` copy.  The GEMMs are ``torch._scaled_mm`` with row-wise scales (cuBLAS on sm_90): at Llama-8B
+shapes on an H100 as fast as the block recipe's forward kind or 13-19% faster, and 19-30% faster than its wgrad kind
+(``fp8rl bench kernels``; docs/benchmarks.md).
 
 The copies along the tokens (``dY.T``, ``X.T``) cannot be made in one pass: a column's scale needs the whole
 column's amax first.  ``quantize_rows_cols`` makes both copies of an input from two reads of it (the row and column
@@ -21,7 +22,7 @@ amaxes, then one cast pass writing both), the same traffic as the block recipe's
 (the forward under activation checkpointing, the logprob pass) is one read (``quantize_rows_one_pass``).  As in the
 block path, a checkpointed layer's first forward makes only the row copy and the recompute both, keeping the
 transposed FP8 copy for the backward instead of X.  Token counts are padded with zero rows to a multiple of 16
-(cuBLAS / CUTLASS), which changes no scale of a real row or column.
+(cuBLAS), which changes no scale of a real row or column.
 """
 
 from __future__ import annotations
