@@ -3,7 +3,7 @@
 The recipe ops here are the reference quantizers and the emulated GEMM, so the function must give the reference
 linear's outputs and gradients bit for bit; under ``checkpoint_contexts`` a layer's first forward makes no transposed
 copy and saves placeholders, the recompute makes them, and nothing changes.  What the real ops compute (the Triton
-kernels, cuBLAS / CUTLASS GEMMs, padding) is checked on a GPU (``tests/gpu/test_quant_kernels.py``,
+kernels, the cuBLAS GEMMs, padding) is checked on a GPU (``tests/gpu/test_quant_kernels.py``,
 ``tests/gpu/test_row_linear_cuda.py``).
 """
 
