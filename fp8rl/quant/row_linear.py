@@ -116,8 +116,9 @@ CAST_TILE = (128, 64, 4)
 def quantize_rows_one_pass(
     x: torch.Tensor, fmt: FP8Format, pow2: bool, rows_out: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.quantize_rows(x, fmt, pow2, rows_out)`` for ``x [R, C]`` with ``C <= ONE_PASS_MAX``, reading each row
-    once (the whole row in one program's registers)."""
+    """``x [R, C]`` (``C <= ONE_PASS_MAX``) with a scale per row, padded to ``rows_out`` rows with zeros: ``(q, s
+    [rows_out, 1])``, the bytes and scales of ``kernels.quantize_rows``, reading each row once (the whole row in one
+    program's registers)."""
     r, c = x.shape
     if r > rows_out or c > ONE_PASS_MAX:
         raise ValueError(f"quantize_rows_one_pass: {list(x.shape)} does not fit (rows_out {rows_out})")
@@ -136,7 +137,7 @@ def quantize_rows_one_pass(
 def quantize_rows_cols(
     x: torch.Tensor, fmt: FP8Format, pow2: bool, rows_out: int | None = None, *, rowwise: bool, colwise: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``x [R, C]`` with a scale per row (``q [R_out, C]``, ``s [R_out, 1]``: ``quantize_rows``) and/or a scale per
+    """``x [R, C]`` with a scale per row (``q [R_out, C]``, ``s [R_out, 1]``: ``kernels.quantize_rows``) and/or a scale per
     column, written transposed (``qt [C, R_out]``, ``st [C, 1]``: the bytes and scales of ``quantize_rows(x.T)``),
     rows ``[R, R_out)`` zeros.  Two reads of ``x`` for both copies together: the row and column amaxes, then one cast
     pass writing both."""
