@@ -293,12 +293,14 @@ def rlprofile_variant(
     from fp8rl.config import GRPOConfig
     from fp8rl.train.trainer import TrainerOptions
 
-    precision = variant.removesuffix("-regather").removesuffix("-row")
+    precision = variant.split("-")[0]  # bf16 | fp8, then the variant's options in any order
     torch.cuda.reset_peak_memory_stats()
     o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
                        sharding="fsdp" if world > 1 else "replicate", compile_elementwise=a.compile_elementwise,
                        fp8_gather_once=not variant.endswith("-regather"),
                        spec=QuantSpec(granularity="row" if "-row" in variant else "block"))  # fmt: skip
+    if precision not in ("bf16", "fp8") or set(variant.split("-")[1:]) - {"row", "regather"}:
+        raise ValueError(f"--rl-variants: {variant!r} is not bf16 or fp8 with -row / -regather")
     trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
     times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
     trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)

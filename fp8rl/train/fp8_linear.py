@@ -304,7 +304,10 @@ class _FusedFP8LinearFunction(torch.autograd.Function):
         n, k = ctx.wq.q.shape
         g2 = grad_out.reshape(-1, n)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gq, gs, gqt, gst = ctx.ops.grad(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
+        # nothing to quantize when only a bias trains (a launch without outputs would write into g2)
+        gq = gs = gqt = gst = None
+        if need_dgrad or need_wgrad:
+            gq, gs, gqt, gst = ctx.ops.grad(g2, ctx.spec, rowwise=need_dgrad, colwise=need_wgrad)
         grad_x = grad_w = grad_b = None
         if need_dgrad:
             assert gq is not None and gs is not None

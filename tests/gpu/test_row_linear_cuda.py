@@ -74,6 +74,9 @@ def test_copies_of_a_non_contiguous_input() -> None:
     ref, ref_t = quantize_activation(x, ROW, backend="torch"), quantize_activation(x.t(), ROW, backend="torch")
     assert _equal_bytes(q, ref.data) and torch.equal(s, ref.scale_inv)
     assert _equal_bytes(qt, ref_t.data) and torch.equal(st, ref_t.scale_inv)
+    one, one_s, _, _ = quantize_row_input(x, ROW)  # the one-pass kernel
+    assert one is not None and one_s is not None
+    assert _equal_bytes(one, ref.data) and torch.equal(one_s, ref.scale_inv)
 
 
 def test_row_weight_is_the_reference_of_w_and_w_transposed_and_requantizes_in_place() -> None:
@@ -85,7 +88,9 @@ def test_row_weight_is_the_reference_of_w_and_w_transposed_and_requantizes_in_pl
     ptrs = [t.data_ptr() for t in (rw.q, rw.scale, rw.qt, rw.scale_t)]
     again = quantize_row_weight(w * -3, ROW, into=rw)
     assert [t.data_ptr() for t in (again.q, again.scale, again.qt, again.scale_t)] == ptrs
-    assert _equal_bytes(again.q, quantize_weight(w * -3, ROW, backend="torch").data)
+    ref, ref_t = quantize_weight(w * -3, ROW, backend="torch"), quantize_weight((w * -3).t(), ROW, backend="torch")
+    assert _equal_bytes(again.q, ref.data) and torch.equal(again.scale, ref.scale_inv)
+    assert _equal_bytes(again.qt, ref_t.data) and torch.equal(again.scale_t, ref_t.scale_inv)
     with pytest.raises(ValueError, match="cannot requantize"):
         quantize_row_weight(w[:, :128], ROW, into=rw)
 
@@ -153,5 +158,12 @@ def test_row_weight_is_quantized_once_per_weight_version() -> None:
     second = lin._fused_operands()
     assert second is not None and second is not first
     assert _equal_bytes(second.q, quantize_weight(lin.weight, ROW).data)
-    lin.refresh_weight()  # in place (CUDA graphs): the same buffers, the same bytes
-    assert lin._fused_operands() is not None and lin._fused_operands().q.data_ptr() == second.q.data_ptr()
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    lin.refresh_weight()  # in place (CUDA graphs): the same buffers, the new weight's bytes
+    third = lin._fused_operands()
+    assert (
+        third is not None and third.q.data_ptr() == second.q.data_ptr() and third.qt.data_ptr() == second.qt.data_ptr()
+    )
+    assert _equal_bytes(third.q, quantize_weight(lin.weight, ROW).data)
+    assert _equal_bytes(third.qt, quantize_weight(lin.weight.t(), ROW).data)

@@ -121,3 +121,19 @@ def test_a_placeholder_reaching_the_backward_is_refused() -> None:
         y = _FusedFP8LinearFunction.apply(x, lin.weight, None, wq, spec, True, EmulatedOps(spec))
     with pytest.raises(RuntimeError, match="placeholder reached the backward"):
         y.sum().backward()
+
+
+def test_only_a_bias_training_quantizes_no_gradient() -> None:
+    """Input and weight frozen, the bias trained: the backward asks the ops for no copy of dY (a launch without
+    outputs would write into the gradient the bias's is summed from)."""
+    spec = QuantSpec(granularity="row")
+    lin = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
+    lin.weight.requires_grad_(False)
+    w = lin.weight.detach()
+    wq = SimpleNamespace(q=w, w=quantize_weight(w, spec), wt=quantize_weight(w.t(), spec))
+    ops = EmulatedOps(spec)
+    x = torch.randn(10, 128, dtype=torch.bfloat16)
+    g = torch.randn(10, 64, dtype=torch.bfloat16)
+    _FusedFP8LinearFunction.apply(x, lin.weight, lin.bias, wq, spec, False, ops).backward(g)
+    assert ops.calls == [("input", True, False)]
+    assert lin.bias.grad is not None and torch.equal(lin.bias.grad, g.sum(0))
