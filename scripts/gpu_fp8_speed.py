@@ -268,7 +268,7 @@ def section_rlprofile(a: argparse.Namespace) -> dict[str, Any]:
                            "activation_checkpointing": True, "compile_elementwise": a.compile_elementwise}  # fmt: skip
     for variant in a.rl_variants.split(","):  # a precision; "-regather": optim.fp8_gather_once off
         out[variant] = rlprofile_variant(variant, a, world, device, batch, adv, mask, totals)
-    for fp8 in [v for v in out if isinstance(out[v], dict) and v.startswith("fp8") and "bf16" in out]:
+    for fp8 in [v for v in a.rl_variants.split(",") if v.startswith("fp8") and "bf16" in out]:
         for k in ("logprob_s", "train_s"):
             out[f"{fp8}_vs_bf16_{k}"] = out["bf16"][k] / out[fp8][k]
         say(f"[rlprofile] {fp8} vs bf16: logprob {out[f'{fp8}_vs_bf16_logprob_s']:.2f}x, "
@@ -293,14 +293,14 @@ def rlprofile_variant(
     from fp8rl.config import GRPOConfig
     from fp8rl.train.trainer import TrainerOptions
 
-    precision = variant.split("-")[0]  # bf16 | fp8, then the variant's options in any order
+    precision, *options = variant.split("-")  # bf16 | fp8, then the variant's options in any order
+    if precision not in ("bf16", "fp8") or set(options) - {"row", "regather"}:
+        raise ValueError(f"--rl-variants: {variant!r} is not bf16 or fp8 with -row / -regather")
     torch.cuda.reset_peak_memory_stats()
     o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
                        sharding="fsdp" if world > 1 else "replicate", compile_elementwise=a.compile_elementwise,
-                       fp8_gather_once=not variant.endswith("-regather"),
-                       spec=QuantSpec(granularity="row" if "-row" in variant else "block"))  # fmt: skip
-    if precision not in ("bf16", "fp8") or set(variant.split("-")[1:]) - {"row", "regather"}:
-        raise ValueError(f"--rl-variants: {variant!r} is not bf16 or fp8 with -row / -regather")
+                       fp8_gather_once="regather" not in options,
+                       spec=QuantSpec(granularity="row" if "row" in options else "block"))  # fmt: skip
     trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
     times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
     trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)

@@ -33,17 +33,14 @@ from fp8rl.quant.quantize import QuantSpec
 
 def block_linear_supported(in_features: int, out_features: int, spec: QuantSpec, device: torch.device) -> bool:
     """Whether a linear of this shape and recipe takes the fused path on ``device``."""
-    if device.type != "cuda" or kernels.triton is None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
     return (
-        kernels.cuda_capability(index)[0] == 9  # cuBLAS 1x128 / 128x128 block scaling: Hopper only
-        and spec.granularity == "block"
+        spec.granularity == "block"
         and spec.fmt == "e4m3"
         and spec.act_block == 128
         and tuple(spec.weight_block) == (128, 128)
         and in_features % 128 == 0
         and out_features % 128 == 0
+        and kernels.hopper(device)  # cuBLAS 1x128 / 128x128 block scaling: Hopper only
     )
 
 

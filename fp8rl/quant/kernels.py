@@ -65,6 +65,25 @@ def kernels_available(x: torch.Tensor) -> bool:
     return cuda_capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 CUDA GPU and Triton is here: what the fused training linears' GEMMs
+    (cuBLAS's block- and row-scaled ones) and quantizers need."""
+    if device.type != "cuda" or triton is None:
+        return False
+    return cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
+def padded_shape(x: torch.Tensor, rows_out: int | None, who: str) -> tuple[int, int, int]:
+    """``(R, C, R_out)`` of a 2-D ``x`` padded to ``rows_out`` rows (default R); ``ValueError`` naming ``who``."""
+    if x.dim() != 2:
+        raise ValueError(f"{who} needs a 2-D tensor, got shape {tuple(x.shape)}")
+    r, c = x.shape
+    r_out = r if rows_out is None else rows_out
+    if r_out < r:
+        raise ValueError(f"rows_out ({r_out}) must be at least the row count ({r})")
+    return r, c, r_out
+
+
 def _is_pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
@@ -354,12 +373,7 @@ def quantize_groups(
     copies from one 128x128 tile per program, ``"split"`` runs a rowwise launch and a colwise-only launch
     over 128 x ``cols`` tiles (an extra read of the input, far fewer registers per program).
     """
-    if x.dim() != 2:
-        raise ValueError(f"quantize_groups needs a 2-D tensor, got shape {tuple(x.shape)}")
-    r, c = x.shape
-    r_out = r if rows_out is None else rows_out
-    if r_out < r:
-        raise ValueError(f"rows_out ({r_out}) must be at least the row count ({r})")
+    r, c, r_out = padded_shape(x, rows_out, "quantize_groups")
     if colwise and group > 128:
         raise ValueError("the transposed output needs groups of at most 128")
     n_g, n_gt = math.ceil(c / group), math.ceil(r_out / group)

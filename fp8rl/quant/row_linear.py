@@ -141,12 +141,7 @@ def quantize_rows_cols(
     column, written transposed (``qt [C, R_out]``, ``st [C, 1]``: the bytes and scales of ``quantize_rows(x.T)``),
     rows ``[R, R_out)`` zeros.  Two reads of ``x`` for both copies together: the row and column amaxes, then one cast
     pass writing both."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize_rows_cols needs a 2-D tensor, got shape {tuple(x.shape)}")
-    r, c = x.shape
-    r_out = r if rows_out is None else rows_out
-    if r_out < r:
-        raise ValueError(f"rows_out ({r_out}) must be at least the row count ({r})")
+    r, c, r_out = kernels.padded_shape(x, rows_out, "quantize_rows_cols")
     dev = x.device
     q = torch.empty(r_out, c, dtype=fmt.dtype, device=dev) if rowwise else None
     s = torch.empty(r_out, 1, dtype=torch.float32, device=dev) if rowwise else None
@@ -176,15 +171,12 @@ def quantize_rows_cols(
 
 def row_linear_supported(in_features: int, out_features: int, spec: QuantSpec, device: torch.device) -> bool:
     """Whether a linear of this shape and recipe takes the fused row path on ``device``."""
-    if device.type != "cuda" or triton is None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
     return (
-        kernels.cuda_capability(index)[0] == 9  # torch's row-wise scaled GEMM: sm_90
-        and spec.granularity == "row"
+        spec.granularity == "row"
         and spec.fmt == "e4m3"
         and in_features % 16 == 0
         and out_features % 16 == 0
+        and kernels.hopper(device)  # cuBLAS's row-scaled FP8 GEMM as torch calls it: sm_90
     )
 
 

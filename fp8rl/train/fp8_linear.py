@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -149,19 +149,31 @@ class _SharedInput:
         if ref is self._ref:  # not an older entry's reference dying after a newer one replaced it
             self._ref, self._key, self._value = None, (), ()
 
-    def get(self, x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...] | None:
-        if self._ref is None or self._ref() is not x or self._key[:2] != (x._version, spec):
+    def get(self, x: torch.Tensor, key: object, colwise: bool) -> tuple[torch.Tensor | None, ...] | None:
+        if self._ref is None or self._ref() is not x or self._key != (x._version, key):
             return None
         if colwise and self._value[2] is None:
             return None
         return self._value
 
-    def put(self, x: torch.Tensor, spec: QuantSpec, value: tuple[torch.Tensor | None, ...]) -> None:
+    def put(self, x: torch.Tensor, key: object, value: tuple[torch.Tensor | None, ...]) -> None:
         self._ref = weakref.ref(x, self._clear)
-        self._key, self._value = (x._version, spec), value
+        self._key, self._value = (x._version, key), value
 
 
 _shared_input = _SharedInput()
+
+
+def _shared_copies(
+    x: torch.Tensor, spec: QuantSpec, rows: int, colwise: bool, make: Callable[[torch.Tensor], tuple[Any, ...]]
+) -> tuple[torch.Tensor | None, ...]:
+    """``make(x viewed as [M, K])`` (its ``(q, s, qt, st)`` padded to ``rows`` rows), shared with the previous linear
+    when it read ``x`` with the same recipe and padding (the same GEMM shapes)."""
+    cached = _shared_input.get(x, (spec, rows), colwise)
+    if cached is None:
+        cached = make(x.reshape(-1, x.shape[-1]))
+        _shared_input.put(x, (spec, rows), cached)
+    return cached
 
 
 def _quantize_input(
@@ -171,13 +183,11 @@ def _quantize_input(
 
     ``wgrad_rows``: pad the rows as the transposed copy needs even without it (a checkpointed first forward), so
     its GEMM runs on the same operand shape as the recompute's."""
-    cached = _shared_input.get(x, spec, colwise)
     rows = block_input_rows(x.numel() // x.shape[-1], colwise or wgrad_rows)
-    if cached is not None and cached[0] is not None and cached[0].shape[0] == rows:  # same padding: same GEMM shape
-        return cached
-    value = quantize_block_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise, wgrad_rows=wgrad_rows)
-    _shared_input.put(x, spec, value)
-    return value
+    return _shared_copies(
+        x, spec, rows, colwise,
+        lambda x2: quantize_block_input(x2, spec, rowwise=True, colwise=colwise, wgrad_rows=wgrad_rows),
+    )  # fmt: skip
 
 
 def _placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,17 +199,6 @@ def _placeholders(k: int, m: int, spec: QuantSpec, device: torch.device) -> tupl
         torch.empty((), dtype=fp8, device=device).expand(k, mp),
         torch.empty((), dtype=torch.float32, device=device).expand(k, -(-mp // 128)),
     )
-
-
-def _row_input(x: torch.Tensor, spec: QuantSpec, colwise: bool) -> tuple[torch.Tensor | None, ...]:
-    """``quantize_row_input`` of ``x`` viewed as ``[M, K]`` (with its transposed copy if ``colwise``), shared with the
-    previous linear when it read ``x``."""
-    cached = _shared_input.get(x, spec, colwise)
-    if cached is not None:
-        return cached
-    value = quantize_row_input(x.reshape(-1, x.shape[-1]), spec, rowwise=True, colwise=colwise)
-    _shared_input.put(x, spec, value)
-    return value
 
 
 class BlockOps:
@@ -241,7 +240,10 @@ class RowOps:
 
     @staticmethod
     def input(x: torch.Tensor, spec: QuantSpec, colwise: bool, wgrad_rows: bool) -> tuple[torch.Tensor | None, ...]:
-        return _row_input(x, spec, colwise)
+        rows = padded_tokens(x.numel() // x.shape[-1])
+        return _shared_copies(
+            x, spec, rows, colwise, lambda x2: quantize_row_input(x2, spec, rowwise=True, colwise=colwise)
+        )
 
     @staticmethod
     def grad(g2: torch.Tensor, spec: QuantSpec, rowwise: bool, colwise: bool) -> tuple[torch.Tensor | None, ...]:
