@@ -332,6 +332,10 @@ class RayConfig(_Strict):
         return self
 
 
+# the vLLM attention backend that reads a per-token-head scaled FP8 KV cache (rollout.kv_scaling token_head)
+TOKEN_HEAD_ATTENTION = "TRITON_ATTN"
+
+
 class RolloutConfig(_Strict):
     """Which rollout engine serves generation, and the vLLM engine's settings."""
 
@@ -361,6 +365,35 @@ class RolloutConfig(_Strict):
     # the KV heads; for a model one GPU cannot hold with its KV cache). ray.rollout_workers must be a multiple of it
     # (rollout_workers / size engines share the prompts); a group's workers should sit on one node
     tensor_parallel_size: int = Field(1, ge=1)
+    # vllm + kv_cache fp8: how the cache is scaled. tensor: one scale for K and one for V a layer, which fp8rl
+    # recalibrates from the trainer's policy after every weight update (a forward over kv_calibration_tokens of
+    # the batch; vLLM's FlashAttention 3 reads the cache). token_head: vLLM computes a scale per token and KV head as
+    # it writes the cache (its fp8_per_token_head cache, 4 bytes a token and head more; read by vLLM's Triton
+    # attention): nothing to calibrate, and no scale is stale after an update
+    kv_scaling: Literal["tensor", "token_head"] = "tensor"
+    # vllm: the attention backend, by vLLM's name (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, ...); None: vLLM
+    # chooses (FlashAttention 3 on Hopper; TRITON_ATTN for kv_scaling token_head, the one that reads that cache)
+    attention_backend: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]*$")
+
+    @model_validator(mode="after")
+    def _kv_scaling_backend(self) -> RolloutConfig:
+        if self.kv_scaling == "token_head" and self.attention_backend not in (None, TOKEN_HEAD_ATTENTION):
+            raise ValueError(
+                f"rollout.kv_scaling 'token_head' is read by vLLM's {TOKEN_HEAD_ATTENTION} attention only, not "
+                f"rollout.attention_backend {self.attention_backend!r} (leave it unset)"
+            )
+        return self
+
+    def vllm_attention_backend(self) -> str | None:
+        """The backend vLLM is asked for: the configured one, or the one a per-token-head cache needs."""
+        if self.kv_scaling == "token_head":
+            return TOKEN_HEAD_ATTENTION
+        return self.attention_backend
+
+
+def kv_scales_calibrated(recipe: Recipe, rollout: RolloutConfig) -> bool:
+    """Whether the rollout's FP8 KV cache has per-tensor scales that fp8rl recalibrates after every update."""
+    return recipe.kv_cache == "fp8" and rollout.kv_scaling == "tensor"
 
 
 class RunConfig(_Strict):

@@ -12,8 +12,9 @@
 #   bash scripts/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
 #   bash scripts/gpu_ray_vllm.sh ipc                     the CUDA IPC sync: its GPU tests, then the same benchmark with
 #                                                        ray.sync ipc (RECIPES) and objectstore (STORE_RECIPES), detached
-#   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached; with
-#                                                        ENGINE_PROCESS_TOO=1 again with --engine-process, same job
+#   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached, after
+#                                                        PYTEST's GPU tests; with ENGINE_PROCESS_TOO=1 again with
+#                                                        --engine-process, same job
 #   bash scripts/gpu_ray_vllm.sh x2                      two GPUs (nvidia-h100-x2), detached, in order, the parts named in
 #                                                        X2 (default "tests split overhead fsdp"): tests = the 2-GPU
 #                                                        GPU tests (FSDP over NCCL, vLLM on Ray split/colocated, every
@@ -51,7 +52,8 @@
 #                                                        between the calls, not even copying the returned files
 #                                                        (each call's stay where it put them; 2026-11-26 a job was
 #                                                        lost that way, halfway through the 8B benchmark)
-# PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run and ipc, in the same detached job.
+# PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run, ipc and overhead, in the same
+# detached job (tests that take the real model need `bash scripts/gpu_engines.sh model-part/model` first).
 # MBT sets the benchmarks' --micro-batch-tokens (default 4096); BENCH_FLAGS adds flags to every benchmark (e.g.
 # "--profile-train": one more step per recipe, its train phase's kernel time by category); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
 # own pytest call, after the trainer's GPU tests (TESTS_TRAINER, default the sharded and offload files); e.g.
@@ -113,6 +115,7 @@ case $step in
   run|ipc|overhead|x2|poll)
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
+    export FP8RL_MODEL_CACHE=${FP8RL_MODEL_CACHE:-/tmp/models}  # the smollm2 fixture (scripts/gpu_engines.sh model)
     # a new job starts from an empty results folder: a machine handed out again keeps /tmp, and its old files would
     # travel back in results.tar.gz beside the new ones (2026-11-26); poll reads the running job's (KEEP_RES=1 keeps:
     # e.g. COMPILE_8B=auto reading an earlier job's compile_ok). Never under a job that is still running.
@@ -129,7 +132,8 @@ case $step in
     tests=""
     [ -n "${PYTEST:-}" ] && tests="python3 -m pytest -q -p no:cacheprovider $PYTEST > $RES/pytest.log 2>&1; tail -n 3 $RES/pytest.log; "
     if [ "$step" = overhead ]; then
-      job="OUT=$RES python3 scripts/gpu_vllm_overhead.py ${ARGS:-}"
+      # PYTEST first, in the same job; --shape llama-8b writes its random checkpoint under /tmp/work/bench-models
+      job="${tests}OUT=$RES FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py ${ARGS:-}"
       # ENGINE_PROCESS_TOO=1: then the same with vLLM's engine core in its own process, results in $RES/engine-process
       [ -n "${ENGINE_PROCESS_TOO:-}" ] && job="$job; mkdir -p $RES/engine-process; \
         OUT=$RES/engine-process python3 scripts/gpu_vllm_overhead.py ${ARGS:-} --engine-process"

@@ -108,8 +108,10 @@ def roofline(
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
     head = c["vocab_size"] * h  # the lm_head (tied or not) is read in bf16 every step
-    weight_bytes = linear * (1 if variant != "bf16" else 2) + head * 2
-    kv_elem = 1 if variant.endswith("-kv") else 2
+    base = variant.split("@")[0]
+    weight_bytes = linear * (1 if not base.startswith("bf16") else 2) + head * 2
+    # -kvh: an FP8 byte a value plus a float32 scale per token, head and K or V
+    kv_elem = {"-kv": 1.0, "kvh": 1 + 4 / c["head_dim"]}.get(base[-3:], 2.0)
     mean_context = prompt + tokens / 2
     kv_bytes = batch * mean_context * layers * 2 * kv * kv_elem
     return {
@@ -201,30 +203,45 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
     for runs in entry["modes"].values():
         steps = sorted(x["ms_per_decode_step"] for x in runs["runs"])
         runs.update(median_ms_per_decode_step=steps[len(steps) // 2], min_ms=steps[0], max_ms=steps[-1])
-    for mode in (FP8RL, "neither") if args.long_tokens else ():
+    picked = [m for m in (FP8RL, "neither") if not args.modes or m in args.modes]  # of the long run and profiles
+    for mode in picked if args.long_tokens else ():
         entry["long"][mode] = timed_generate(e, mode, prompts_ids, args.long_tokens, args.long_batch)
         print(f"{variant} long {mode}: {json.dumps(entry['long'][mode])}", flush=True)
         save()
-    prompts = [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[: args.batch]]
-    for mode in (FP8RL, "neither") if args.profile_tokens and not ENGINE_PROCESS else ():
+    # the profiled prompts: --profile-prompt tokens each (the 64-token prompts repeated), prefilled once before the
+    # profiles so that they run from vLLM's prefix cache and the profile is the decode's
+    reps = -(-args.profile_prompt // 64)
+    prompts = [
+        e._vllm.TokensPrompt(prompt_token_ids=(list(x) * reps)[: args.profile_prompt])
+        for x in prompts_ids[: args.batch]
+    ]
+    if args.profile_tokens and not ENGINE_PROCESS:
+        e.llm.generate(prompts, request_params(e._vllm, "neither", 1, args.batch), use_tqdm=False)
+    for mode in picked if args.profile_tokens and not ENGINE_PROCESS else ():
         prof = profile(e, prompts, request_params(e._vllm, mode, args.profile_tokens, args.batch))
         entry[f"profile {mode}"] = prof
         print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
 
 
-VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv")
+VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv", "fp8-row-kvh")
 
 
 def variant_settings(variant: str, rollout: Any) -> tuple[Any, Any]:
-    """A variant's rollout recipe (bf16, or fp8-rollout's block FP8; -kv: the FP8 KV cache) and rollout config
-    (fp8-row: ``fp8_scaling: channel``, per-channel weights the engine converts from BF16)."""
-    from fp8rl.config import load_recipe
+    """A variant's rollout recipe (bf16, or fp8-rollout's block FP8; -kv: the FP8 KV cache with per-tensor scales,
+    -kvh: with vLLM's per-token-head scales) and rollout config (fp8-row: ``fp8_scaling: channel``, per-channel
+    weights the engine converts from BF16; ``@BACKEND``: vLLM's attention backend, e.g. ``fp8-row-kv@TRITON_ATTN``)."""
+    from fp8rl.config import RolloutConfig, load_recipe
 
-    recipe = load_recipe("bf16" if variant == "bf16" else "fp8-rollout")
-    if variant.endswith("-kv"):
+    base, _, backend = variant.partition("@")
+    recipe = load_recipe("bf16" if base == "bf16" else "fp8-rollout")
+    if base.endswith(("-kv", "-kvh")):
         recipe = recipe.model_copy(update={"kv_cache": "fp8"})
-    scaling = "channel" if variant.startswith("fp8-row") else "recipe"
-    return recipe, rollout.model_copy(update={"fp8_scaling": scaling})
+    update = {
+        "fp8_scaling": "channel" if base.startswith("fp8-row") else "recipe",
+        "kv_scaling": "token_head" if base.endswith("-kvh") else "tensor",
+        "attention_backend": backend or None,
+    }
+    return recipe, RolloutConfig.model_validate(rollout.model_dump() | update)
 
 
 def random_checkpoints(shape: str) -> tuple[Any, Any]:
@@ -241,7 +258,7 @@ def random_checkpoints(shape: str) -> tuple[Any, Any]:
 def start_engine(variant: str, recipe: Any, rollout: Any, bf16_dir: Any, fp8_dir: Any) -> Any:
     """The variant's engine: fp8rl's in this process, or ``ProcessEngine`` on the checkpoint fp8rl's would serve.
     Per-channel variants start from BF16 (the qwen3b FP8 checkpoint is block)."""
-    model_dir = bf16_dir if variant == "bf16" or rollout.fp8_scaling == "channel" else fp8_dir
+    model_dir = bf16_dir if variant.startswith("bf16") or rollout.fp8_scaling == "channel" else fp8_dir
     if not ENGINE_PROCESS:
         return engine(model_dir, recipe, WORK / "o", rollout=rollout)
     from fp8rl.config import rollout_recipe
@@ -255,10 +272,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", default="bf16,fp8,fp8-kv", help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--shape", default="qwen3b", help="qwen3b, or a shape of fp8rl bench step (e.g. llama-8b)")
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.55,
+                   help="the engines' share of the GPU (0.55 of an H200 holds the 8B shape's BF16 cache at batch 256; "
+                        "an H100 needs ~0.85)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--long-batch", type=int, default=128)
     p.add_argument("--long-tokens", type=int, default=4096)
     p.add_argument("--profile-tokens", type=int, default=128, help="0: no profiled generate")
+    p.add_argument("--profile-prompt", type=int, default=64,
+                   help="prompt tokens of the profiled generate (512 with 128 new tokens: the mean context of the "
+                        "1,024-token run)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1, help="timed generates per mode, the mode order rotated each time")
     p.add_argument("--engine-process", action="store_true", help="vLLM's engine core in its own process")
     p.add_argument("--modes", default="", help="comma-separated subset of the modes (fp8rl, dicts, neither, gc-off)")
@@ -269,7 +292,7 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--modes: unknown {unknown}; expected some of {sorted(short)}")
     args.modes = [short[m] for m in args.modes.split(",") if m]
     args.variants = args.variants.split(",")
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if v.split("@")[0] not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
     return args
@@ -290,8 +313,10 @@ def main() -> None:
                    long_batch=args.long_batch, long_tokens=args.long_tokens, shape=args.shape, dims=dims)  # fmt: skip
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     bf16_dir, fp8_dir = random_checkpoints(args.shape)
-    model_len = 64 + max(args.max_tokens, args.long_tokens) + 64
-    rollout = RolloutConfig(engine="vllm", gpu_memory_utilization=0.55, enforce_eager=False, max_model_len=model_len)
+    model_len = max(64 + max(args.max_tokens, args.long_tokens), args.profile_prompt + args.profile_tokens) + 64
+    rollout = RolloutConfig(
+        engine="vllm", gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=False, max_model_len=model_len
+    )
     gen = torch.Generator().manual_seed(0)
     vocab = min(150_000, dims["vocab_size"] - 1)
     prompts_ids = torch.randint(10, vocab, (max(args.batch, args.long_batch), 64), generator=gen).tolist()

@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from fp8rl.cluster.groups import ActorCalls, RolloutGroup, TrainerGroup, WorkerDied
 from fp8rl.cluster.memory import merge_peaks
 from fp8rl.cluster.placement import bundles, names_of, place, start_actors
-from fp8rl.config import RayConfig, RunConfig
+from fp8rl.config import RayConfig, RunConfig, kv_scales_calibrated
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
@@ -60,14 +60,14 @@ class RayParts:
     fp8_names: list[str]
     # set when RayConfig.sync is "collective": what the broadcast carries, agreed once
     sync_layout: Any = None
-    kv_cache: str = "bf16"  # the recipe's; fp8: calibrate_kv recalibrates the engines' scales
+    calibrate_kv_scales: bool = False  # config.kv_scales_calibrated: calibrate_kv recalibrates the engines' scales
     ipc: bool = False  # RayConfig.sync "ipc": each rollout worker maps its trainer rank's packed payload
     sleep_after_sync: bool = True  # RayConfig.sleep_after_sync: False keeps colocated engines awake until generation
 
     def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
         """FP8 KV cache: scales from trainer rank 0's policy (every rank's forward when sharded), written into
-        every engine; ``kv/...`` metrics.  ``{}`` for a bf16 KV cache."""
-        if self.kv_cache != "fp8":
+        every engine; ``kv/...`` metrics.  ``{}`` for a bf16 KV cache or one vLLM scales per token and head."""
+        if not self.calibrate_kv_scales:
             return {}
         scales, seconds = self.trainer.lead("kv_scales", batch)
         self.engine.wake_up()
@@ -192,7 +192,7 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     )
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
-        fp8_names, layout, cfg.recipe.kv_cache, rc.sync == "ipc", rc.sleep_after_sync,
+        fp8_names, layout, kv_scales_calibrated(cfg.recipe, cfg.rollout), rc.sync == "ipc", rc.sleep_after_sync,
     )  # fmt: skip
 
 

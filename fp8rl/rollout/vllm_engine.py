@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8rl.config import Recipe, RolloutConfig, RunConfig, rollout_recipe
+from fp8rl.config import Recipe, RolloutConfig, RunConfig, kv_scales_calibrated, rollout_recipe
 from fp8rl.errors import UserError
 from fp8rl.models.loading import read_model_config
 from fp8rl.models.special_tokens import special_tokens
@@ -67,6 +67,8 @@ VLLM_ENV_DEFAULTS = {
 
 # ---- starting vLLM ------------------------------------------------------------------------------------
 _VLLM_QUANTIZATION = {"block": "fp8", "row": "compressed-tensors"}
+# vLLM's cache dtype for rollout.kv_scaling: per-tensor scales fp8rl sets, or scales vLLM computes per token and head
+_KV_CACHE_DTYPE = {"tensor": "fp8", "token_head": "fp8_per_token_head"}
 
 
 def vllm_engine_kwargs(
@@ -84,10 +86,13 @@ def vllm_engine_kwargs(
         "enforce_eager": rollout.enforce_eager,
         # logprobs of the temperature-scaled distribution (our SamplingParams contract), not raw logits'
         "logprobs_mode": "processed_logprobs",
-        "kv_cache_dtype": "fp8" if recipe.kv_cache == "fp8" else "auto",
-        "calculate_kv_scales": False,  # scales come from fp8rl.rollout.kv_calibration after every update
+        "kv_cache_dtype": _KV_CACHE_DTYPE[rollout.kv_scaling] if recipe.kv_cache == "fp8" else "auto",
+        "calculate_kv_scales": False,  # per-tensor scales come from fp8rl.rollout.kv_calibration after every update
         "enable_sleep_mode": sleep_mode,
     }
+    backend = rollout.vllm_attention_backend() if recipe.kv_cache == "fp8" else rollout.attention_backend
+    if backend is not None:
+        kwargs["attention_backend"] = backend
     if rollout.max_model_len is not None:
         kwargs["max_model_len"] = rollout.max_model_len
     if rollout.tensor_parallel_size > 1:
@@ -282,8 +287,9 @@ class VLLMRolloutEngine:
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> dict[str, float]:
         """Recalibrate the FP8 KV-cache scales from ``model`` (the trainer's policy) over a batch ``[N, L]``
-        and return ``kv/...`` metrics; a no-op returning ``{}`` unless the recipe's ``kv_cache`` is fp8."""
-        if self.recipe.kv_cache != "fp8":
+        and return ``kv/...`` metrics; a no-op returning ``{}`` unless the cache has per-tensor FP8 scales
+        (``kv_cache: fp8`` with ``rollout.kv_scaling: tensor``)."""
+        if not kv_scales_calibrated(self.recipe, self.rollout):
             return {}
         r = self.rollout
         scales, seconds = timed_calibration(

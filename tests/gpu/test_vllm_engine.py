@@ -38,7 +38,8 @@ ROLLOUT = RolloutConfig(engine="vllm", gpu_memory_utilization=0.05, enforce_eage
 def engine(model_dir: Path, work: Path, recipe: str = "fp8-rollout", **kw: Any) -> Iterator[Any]:
     from fp8rl.rollout.vllm_engine import VLLMRolloutEngine
 
-    rollout = ROLLOUT.model_copy(update={"fp8_scaling": kw.pop("fp8_scaling", "recipe")})
+    update = {"fp8_scaling": kw.pop("fp8_scaling", "recipe"), "kv_scaling": kw.pop("kv_scaling", "tensor")}
+    rollout = RolloutConfig.model_validate(ROLLOUT.model_dump() | update)
     e = VLLMRolloutEngine(model_dir, kw.pop("recipe_obj", None) or load_recipe(recipe), rollout, work_dir=work, **kw)
     try:
         yield e
@@ -156,6 +157,59 @@ def test_fp8_kv_cache_calibrates_and_generates(tiny_models: dict[str, Path], tmp
         assert held[0] == pytest.approx((e.kv_scales[0].q, e.kv_scales[0].k, e.kv_scales[0].v))
         calibrated = e.generate(PROMPTS, GREEDY)
         assert calibrated.num_tokens > 0
+
+
+def _trainer_logprobs(model: Any, r: Any, pad: int) -> torch.Tensor:
+    """The BF16 policy's log-probabilities of a rollout's response tokens ``[N, T]``."""
+    from fp8rl.train.token_logprobs import token_logprobs
+
+    batch = build_batch(r.prompt_ids, r.response_ids, r.response_mask, pad)
+    with torch.no_grad():
+        ids = batch.input_ids.cuda()
+        logits = model(
+            input_ids=ids, attention_mask=batch.attention_mask.cuda(), position_ids=batch.position_ids.cuda()
+        ).logits
+    p = batch.prompt_width
+    return token_logprobs(logits[:, p - 1 : -1].float(), ids[:, p:]).cpu()
+
+
+@pytest.mark.parametrize("kv_scaling", ["tensor", "token_head"])
+def test_fp8_kv_cache_on_the_real_model_tracks_the_trainer(smollm2: Path, tmp_path: Path, kv_scaling: str) -> None:
+    """SmolLM2-135M-Instruct with an FP8 KV cache, scaled per tensor (calibrated from the trainer's policy) or per
+    token and head (vLLM computes the scales as it writes the cache; its Triton attention reads it; nothing to
+    calibrate): the sampled tokens' log-probabilities stay near the BF16 trainer's."""
+    from fp8rl.rl.metrics import mismatch_metrics
+
+    recipe = load_recipe("fp8-rollout").model_copy(update={"kv_cache": "fp8"})
+    _, prompts, _ = _chat_prompts(smollm2)
+    trainer_model = load_causal_lm(smollm2, dtype=torch.bfloat16, device="cuda")
+    sample = SamplingParams(temperature=1.0, max_tokens=48, seed=11)
+    with engine(smollm2, tmp_path, recipe_obj=recipe, kv_scaling=kv_scaling) as e:
+        first = e.generate(prompts, GREEDY)
+        batch = build_batch(first.prompt_ids, first.response_ids, first.response_mask, e.pad_token_id)
+        metrics = e.calibrate_kv(trainer_model, batch.input_ids, batch.attention_mask, batch.position_ids)
+        backend = vllm_attention_backend_name(e)
+        held = {n: v.clone() for n, v in e.held_weights().items() if ".layers.2." in n}
+        e.load_weights(held, version=1)  # a reload keeps the cache's scaling (token_head: no scales to restore)
+        verify_engine_weights(e, held, 1)
+        r = e.generate(prompts, sample)
+        pad = e.pad_token_id
+    if kv_scaling == "tensor":
+        assert metrics["kv/k_scale_mean"] > 0 and backend == "FLASH_ATTN"
+    else:
+        assert metrics == {} and e.kv_scales == {} and backend == "TRITON_ATTN"
+    mm = mismatch_metrics(r.logprobs, _trainer_logprobs(trainer_model, r, pad), r.response_mask)
+    print(f"FP8 KV ({kv_scaling}) on SmolLM2 vs the BF16 trainer: { {k: round(v, 5) for k, v in mm.items()} }")
+    assert r.num_tokens > len(prompts) * 8
+    assert 1.0 <= mm["token_mult_prob_error"] < 1.1 and mm["gen_kl"] < 0.02
+
+
+def vllm_attention_backend_name(e: Any) -> str:
+    """The attention backend vLLM chose for the engine's first attention layer (in-process engine)."""
+    from fp8rl.rollout import vllm_patches
+
+    layer = vllm_patches.attention_layers(vllm_patches.engine_model(e.llm))[0]
+    return str(layer.attn_backend.get_name())
 
 
 def test_rl_loop_with_fp8_kv_cache_recalibrates_every_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from fp8rl.config import RolloutConfig, load_recipe, parse_run_config
+from fp8rl.config import RolloutConfig, kv_scales_calibrated, load_recipe, parse_run_config
 from fp8rl.errors import UserError
 from fp8rl.models import make_tiny_model
 from fp8rl.models.loading import read_model_config
@@ -204,6 +204,22 @@ def test_engine_kwargs_per_recipe() -> None:
     assert "max_model_len" not in fp8 and fp8["model"] == "/c"
     channel = ve.vllm_engine_kwargs("/c", _recipe("fp8-e2e", granularity="row"), RolloutConfig())
     assert channel["quantization"] == "compressed-tensors"
+    assert "attention_backend" not in fp8 and "attention_backend" not in channel  # vLLM's choice
+
+
+def test_engine_kwargs_for_the_kv_cache_scaling_and_attention_backend() -> None:
+    """``kv_scaling: token_head`` asks vLLM for its per-token-head FP8 cache and the Triton attention that reads it;
+    nothing is calibrated then.  A BF16 cache ignores the KV scaling; ``attention_backend`` passes through."""
+    kv = load_recipe("fp8-e2e").model_copy(update={"kv_cache": "fp8"})
+    head = RolloutConfig(kv_scaling="token_head")
+    got = ve.vllm_engine_kwargs("/c", kv, head)
+    assert (got["kv_cache_dtype"], got["attention_backend"]) == ("fp8_per_token_head", "TRITON_ATTN")
+    assert not kv_scales_calibrated(kv, head) and kv_scales_calibrated(kv, RolloutConfig())
+    assert not kv_scales_calibrated(load_recipe("fp8-e2e"), RolloutConfig())
+    bf16_cache = ve.vllm_engine_kwargs("/c", load_recipe("fp8-e2e"), head)
+    assert bf16_cache["kv_cache_dtype"] == "auto" and "attention_backend" not in bf16_cache
+    flex = ve.vllm_engine_kwargs("/c", kv, RolloutConfig(attention_backend="FLEX_ATTENTION"))
+    assert (flex["kv_cache_dtype"], flex["attention_backend"]) == ("fp8", "FLEX_ATTENTION")
 
 
 def test_serving_checkpoint_converts_once_and_checks_given_fp8_dirs(
