@@ -107,6 +107,15 @@ def vllm_engine_kwargs(
     return kwargs
 
 
+def check_attention_backend(name: str | None) -> None:
+    """A ``UserError`` naming ``rollout.attention_backend`` when vLLM has no backend of that name."""
+    if name is None:
+        return
+    known = vllm_patches.attention_backend_names()
+    if name not in known:
+        raise UserError(f"rollout.attention_backend {name!r}: vLLM has no such backend; it has {', '.join(known)}")
+
+
 def import_vllm() -> Any:
     """Import vLLM for an engine in this process, or raise a ``UserError`` saying what is missing."""
     for key, value in VLLM_ENV_DEFAULTS.items():
@@ -177,7 +186,9 @@ class VLLMRolloutEngine:
         self.kv_scales: dict[int, KVScales] = {}
         vllm = import_vllm()
         self._vllm = vllm
-        self.llm = vllm.LLM(**vllm_engine_kwargs(self.checkpoint, recipe, self.rollout, seed, sleep_mode))
+        kwargs = vllm_engine_kwargs(self.checkpoint, recipe, self.rollout, seed, sleep_mode)
+        check_attention_backend(kwargs.get("attention_backend"))
+        self.llm = vllm.LLM(**kwargs)
         self.tp_rank = 0  # this process's rank in a tensor-parallel engine: the part vLLM's loaders cut for it
         if self.tp > 1:
             from vllm.distributed import get_tensor_model_parallel_rank

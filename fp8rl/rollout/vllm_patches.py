@@ -148,6 +148,14 @@ def read_kv_scales(model: nn.Module) -> dict[int, tuple[float, float, float]]:
 
 
 @guarded
+def attention_backend_names() -> list[str]:
+    """The attention backends this vLLM knows by name (``rollout.attention_backend`` is checked against them)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return sorted(AttentionBackendEnum.__members__)
+
+
+@guarded
 def shutdown(llm: Any) -> None:
     """Stop an in-process engine's core (vLLM 0.26's ``LLMEngine`` has no ``shutdown`` of its own; its
     ``engine_core`` client has).  The caller drops its references, then calls :func:`release_memory`."""

@@ -222,6 +222,17 @@ def test_engine_kwargs_for_the_kv_cache_scaling_and_attention_backend() -> None:
     assert (flex["kv_cache_dtype"], flex["attention_backend"]) == ("fp8", "FLEX_ATTENTION")
 
 
+def test_an_attention_backend_vllm_does_not_have_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked against vLLM's own list before the engine starts (the list stands in for vLLM's registry here, where
+    vLLM is not installed)."""
+    monkeypatch.setattr(vllm_patches, "attention_backend_names", lambda: ["FLASH_ATTN", "TRITON_ATTN"])
+    ve.check_attention_backend(None)
+    ve.check_attention_backend("TRITON_ATTN")
+    with pytest.raises(UserError, match=r"rollout.attention_backend 'FLASH_ATN': vLLM has no such backend; it has "
+                                        r"FLASH_ATTN, TRITON_ATTN"):  # fmt: skip
+        ve.check_attention_backend("FLASH_ATN")
+
+
 def test_serving_checkpoint_converts_once_and_checks_given_fp8_dirs(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
