@@ -384,9 +384,10 @@ class RolloutConfig(_Strict):
             )
         return self
 
-    def vllm_attention_backend(self) -> str | None:
-        """The backend vLLM is asked for: the configured one, or the one a per-token-head cache needs."""
-        if self.kv_scaling == "token_head":
+    def vllm_attention_backend(self, fp8_cache: bool) -> str | None:
+        """The backend vLLM is asked for: the configured one, or the one a per-token-head FP8 cache needs
+        (``kv_scaling`` means nothing for a BF16 cache)."""
+        if fp8_cache and self.kv_scaling == "token_head":
             return TOKEN_HEAD_ATTENTION
         return self.attention_backend
 

@@ -22,7 +22,9 @@ GPUs").  No profile there (the kernels run in the other process).  ``--modes`` p
 The ``fp8-row`` and ``fp8-row-kv`` variants serve per-channel FP8 weights with dynamic per-token activation scales
 (``rollout.fp8_scaling: channel``: the compressed-tensors checkpoint ``fp8rl convert`` writes for ``granularity:
 row``; vLLM's W8A8 CUTLASS GEMM).  On 2026-11-26 they ran on a bare ``vllm.LLM`` with the engine's keyword
-arguments, before fp8rl's engine served that layout; they run on fp8rl's engine now.
+arguments, before fp8rl's engine served that layout; they run on fp8rl's engine now.  ``fp8-row-kvh`` is vLLM's
+per-token-head FP8 cache (``rollout.kv_scaling: token_head``); ``VARIANT@BACKEND`` picks vLLM's attention backend;
+``--profile-prompt 512`` profiles the decode at the 1,024-token run's mean context (docs/benchmarks.md, 2026-11-27).
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -110,8 +112,11 @@ def roofline(
     head = c["vocab_size"] * h  # the lm_head (tied or not) is read in bf16 every step
     base = variant.split("@")[0]
     weight_bytes = linear * (1 if not base.startswith("bf16") else 2) + head * 2
-    # -kvh: an FP8 byte a value plus a float32 scale per token, head and K or V
-    kv_elem = {"-kv": 1.0, "kvh": 1 + 4 / c["head_dim"]}.get(base[-3:], 2.0)
+    kv_elem = 2.0  # bytes a cached value: BF16; -kv: FP8; -kvh: FP8 plus a float32 scale per token, head and K or V
+    if base.endswith("-kvh"):
+        kv_elem = 1 + 4 / c["head_dim"]
+    elif base.endswith("-kv"):
+        kv_elem = 1.0
     mean_context = prompt + tokens / 2
     kv_bytes = batch * mean_context * layers * 2 * kv * kv_elem
     return {

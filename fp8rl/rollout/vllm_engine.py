@@ -90,7 +90,7 @@ def vllm_engine_kwargs(
         "calculate_kv_scales": False,  # per-tensor scales come from fp8rl.rollout.kv_calibration after every update
         "enable_sleep_mode": sleep_mode,
     }
-    backend = rollout.vllm_attention_backend() if recipe.kv_cache == "fp8" else rollout.attention_backend
+    backend = rollout.vllm_attention_backend(fp8_cache=recipe.kv_cache == "fp8")
     if backend is not None:
         kwargs["attention_backend"] = backend
     if rollout.max_model_len is not None:

@@ -95,7 +95,7 @@ def test_fp8_kv_cache_needs_the_vllm_engine() -> None:
     cfg = parse_run_config({"recipe": recipe, "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.3}})
     assert (cfg.recipe.kv_cache, cfg.rollout.engine, cfg.rollout.gpu_memory_utilization) == ("fp8", "vllm", 0.3)
     head = parse_run_config({"recipe": recipe, "rollout": {"engine": "vllm", "kv_scaling": "token_head"}})
-    assert head.rollout.vllm_attention_backend() == "TRITON_ATTN"
+    assert head.rollout.vllm_attention_backend(fp8_cache=True) == "TRITON_ATTN"
     with pytest.raises(ConfigError, match=r"kv_scaling 'token_head' is read by vLLM's TRITON_ATTN attention only"):
         parse_run_config({"recipe": recipe, "rollout": {"kv_scaling": "token_head", "attention_backend": "FLASH_ATTN"}})
     with pytest.raises(ConfigError, match=r"rollout.attention_backend: String should match pattern"):
