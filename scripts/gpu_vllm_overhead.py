@@ -24,7 +24,8 @@ The ``fp8-row`` and ``fp8-row-kv`` variants serve per-channel FP8 weights with d
 row``; vLLM's W8A8 CUTLASS GEMM).  On 2026-11-26 they ran on a bare ``vllm.LLM`` with the engine's keyword
 arguments, before fp8rl's engine served that layout; they run on fp8rl's engine now.  ``fp8-row-kvh`` is vLLM's
 per-token-head FP8 cache (``rollout.kv_scaling: token_head``); ``VARIANT@BACKEND`` picks vLLM's attention backend;
-``--profile-prompt 512`` profiles the decode at the 1,024-token run's mean context (docs/benchmarks.md, 2026-11-27).
+``--profile-prompt 512`` profiles the decode at the 1,024-token run's mean context (docs/benchmarks.md, 2026-11-27);
+``--host-profile 128`` adds a generate of 128 new tokens under cProfile (the host's time per decode step by function).
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -154,6 +155,36 @@ def profile(e: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     }
 
 
+def host_profile(e: Any, prompts: list[Any], params: Any, steps: int, top: int = 35) -> dict[str, Any]:
+    """One generate under cProfile: where the host's time goes per decode step (``steps`` new tokens), the
+    functions with the most own time and the most cumulative time, in ms a step.  cProfile slows Python, not
+    the GPU, so the shares are an upper bound on the host's part; the wait for the GPU shows as the own time
+    of the call that synchronises."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    e.llm.generate(prompts, params, use_tqdm=False)
+    prof.disable()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    rows = [
+        {"function": f"{os.path.relpath(f, '/tmp/site') if f.startswith('/tmp/site') else f}:{line}({name})",
+         "calls": nc, "own_ms_per_step": tt * 1e3 / steps, "cumulative_ms_per_step": ct * 1e3 / steps}
+        for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
+    ]  # fmt: skip
+    return {
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "by_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
+        "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_ms_per_step"])[:top],
+    }
+
+
 def request_params(v: Any, mode: str, tokens: int, n: int) -> list[Any]:
     """``n`` requests of ``tokens`` new tokens (EOS ignored) with ``mode``'s sampling options."""
     seeded, logprobs, flat = MODES[mode]
@@ -226,6 +257,15 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
         prof = profile(e, prompts, request_params(e._vllm, mode, args.profile_tokens, args.batch))
         entry[f"profile {mode}"] = prof
         print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
+    if args.host_profile and not ENGINE_PROCESS:
+        if not args.profile_tokens:  # the profiled prompts into the prefix cache
+            e.llm.generate(prompts, request_params(e._vllm, "neither", 1, args.batch), use_tqdm=False)
+        params = request_params(e._vllm, FP8RL, args.host_profile, args.batch)
+        entry["host profile"] = hp = host_profile(e, prompts, params, args.host_profile)
+        save()
+        print(f"{variant} host profile: {hp['wall_ms_per_step']:.2f} ms/step", flush=True)
+        for r in hp["by_own_time"][:25]:
+            print(f"  own {r['own_ms_per_step']:7.3f}  cum {r['cumulative_ms_per_step']:7.3f}  {r['function']}")
 
 
 VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv", "fp8-row-kvh")
@@ -287,6 +327,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile-prompt", type=int, default=64,
                    help="prompt tokens of the profiled generate (512 with 128 new tokens: the mean context of the "
                         "1,024-token run)")  # fmt: skip
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="new tokens of one more generate under cProfile (fp8rl's sampling, at --profile-prompt); 0: none",
+    )
     p.add_argument("--repeats", type=int, default=1, help="timed generates per mode, the mode order rotated each time")
     p.add_argument("--engine-process", action="store_true", help="vLLM's engine core in its own process")
     p.add_argument("--modes", default="", help="comma-separated subset of the modes (fp8rl, dicts, neither, gc-off)")
