@@ -374,6 +374,11 @@ class RolloutConfig(_Strict):
     # vllm: the attention backend, by vLLM's name (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, ...); None: vLLM
     # chooses (FlashAttention 3 on Hopper; TRITON_ATTN for kv_scaling token_head, the one that reads that cache)
     attention_backend: str | None = Field(None, pattern=r"^[A-Z][A-Z0-9_]*$")
+    # vllm: reuse the KV blocks of prompt prefixes already computed (vLLM's automatic prefix caching: the samples of
+    # one prompt prefill it once; fp8rl drops the cache after every weight update). It hashes every full block of
+    # every request as the responses grow, host work in each decode step: off when prompts are short and the
+    # decode is host-bound (the 8B benchmarks, docs/benchmarks.md)
+    prefix_caching: bool = True
 
     @model_validator(mode="after")
     def _kv_scaling_backend(self) -> RolloutConfig:

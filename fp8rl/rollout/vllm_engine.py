@@ -89,6 +89,7 @@ def vllm_engine_kwargs(
         "kv_cache_dtype": _KV_CACHE_DTYPE[rollout.kv_scaling] if recipe.kv_cache == "fp8" else "auto",
         "calculate_kv_scales": False,  # per-tensor scales come from fp8rl.rollout.kv_calibration after every update
         "enable_sleep_mode": sleep_mode,
+        "enable_prefix_caching": rollout.prefix_caching,
     }
     backend = rollout.vllm_attention_backend(fp8_cache=recipe.kv_cache == "fp8")
     if backend is not None:

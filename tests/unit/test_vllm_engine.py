@@ -205,6 +205,9 @@ def test_engine_kwargs_per_recipe() -> None:
     channel = ve.vllm_engine_kwargs("/c", _recipe("fp8-e2e", granularity="row"), RolloutConfig())
     assert channel["quantization"] == "compressed-tensors"
     assert "attention_backend" not in fp8 and "attention_backend" not in channel  # vLLM's choice
+    assert bf16["enable_prefix_caching"] and fp8["enable_prefix_caching"]  # vLLM's default, kept
+    off = ve.vllm_engine_kwargs("/c", load_recipe("fp8-e2e"), RolloutConfig(prefix_caching=False))
+    assert off["enable_prefix_caching"] is False
 
 
 def test_engine_kwargs_for_the_kv_cache_scaling_and_attention_backend() -> None:
