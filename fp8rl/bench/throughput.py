@@ -27,6 +27,7 @@ from __future__ import annotations
 import platform
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -247,9 +248,14 @@ def _start(cfg: RunConfig, model_dir: str | Path, device: str, log: Callable[[st
         return build_parts(cfg, model_dir, device), False
     from fp8rl.cluster.driver import create_ray_parts, ensure_ray
 
+    t0 = time.perf_counter()
     started_ray = ensure_ray(cfg.ray, cfg.ray.trainer_workers + cfg.ray.rollout_workers)
     try:
-        return create_ray_parts(cfg, model_dir, log=log), started_ray
+        parts = create_ray_parts(cfg, model_dir, log=log)
+        # in the bench's "[recipe] bench step" form, which an isolated recipe's process passes on
+        log(f"[{cfg.recipe.name}] bench step 0 (start): Ray, the trainers and the engines up in "
+            f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
+        return parts, started_ray
     except BaseException:
         _stop_ray(started_ray)
         raise

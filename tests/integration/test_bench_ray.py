@@ -30,6 +30,8 @@ def test_bench_on_ray_starts_and_stops_a_local_ray(tiny_models: dict[str, Path],
     )
     assert result.rollout_tokens_per_s > 0 and result.train_tokens_per_s > 0 and result.sync_bytes > 0
     assert any("timed" in line for line in lines)
+    # the start-up's time, in the form an isolated recipe's process passes on
+    assert any(line.startswith("[fp8-e2e] bench step 0 (start): Ray, the trainers") for line in lines)
     # --profile-train through the Ray trainer group: the worker's policy step under the profiler
     assert result.train_device_ms is not None and result.train_device_ms["gemm"] > 0
     assert any("(profiled, not timed)" in line for line in lines)
