@@ -77,12 +77,12 @@ class MasterWeightAdamW:
             self.offload.replaced()
 
     @torch.no_grad()
-    def accumulate(self, scale: float = 1.0) -> None:
-        """Move the parameters' (bf16) gradients into the fp32 accumulators."""
+    def accumulate(self) -> None:
+        """Move the parameters' (bf16) gradients into the fp32 accumulators (the loss carries any scaling)."""
         for p, m in zip(self.params, self.master, strict=True):
             if p.grad is not None:
                 assert m.grad is not None
-                m.grad.add_(p.grad, alpha=scale)  # fp32 += bf16, promoted in the kernel: no fp32 copy first
+                m.grad.add_(p.grad)  # fp32 += bf16, promoted in the kernel: no fp32 copy first
                 p.grad = None
 
     @torch.no_grad()
@@ -256,12 +256,9 @@ class ShardedAdamW:
         self.offload = StateOffload(self.optimizer) if offload_state else None
         self.grad_reducer: Callable[[list[torch.Tensor]], None] | None = None  # FSDP2 reduce-scatters itself
 
-    def accumulate(self, scale: float = 1.0) -> None:
-        """Nothing to move: FSDP2 adds each micro-batch's reduce-scattered fp32 gradient to the shard's."""
-        if scale != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+    def accumulate(self) -> None:
+        """Nothing to move: FSDP2 adds each micro-batch's reduce-scattered fp32 gradient to the shard's (a scale
+        here would reach the earlier micro-batches' sum too, and race the reduction in flight: the loss carries it)."""
 
     @torch.no_grad()
     def step(self, grad_clip: float) -> float:
