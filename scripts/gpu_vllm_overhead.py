@@ -26,6 +26,8 @@ arguments, before fp8rl's engine served that layout; they run on fp8rl's engine 
 per-token-head FP8 cache (``rollout.kv_scaling: token_head``); ``VARIANT@BACKEND`` picks vLLM's attention backend;
 ``--profile-prompt 512`` profiles the decode at the 1,024-token run's mean context (docs/benchmarks.md, 2026-11-27);
 ``--host-profile 128`` adds a generate of 128 new tokens under cProfile (the host's time per decode step by function).
+``--engine-process --interleave --repeats 3`` keeps every variant's engine up and times them in turns, the ratios
+paired by round (one lease's drift between variants timed minutes apart moved the 8B ratio by ~0.18, 2026-11-27).
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -312,6 +314,47 @@ def start_engine(variant: str, recipe: Any, rollout: Any, bf16_dir: Any, fp8_dir
     return ProcessEngine(serving_checkpoint(model_dir, rollout_recipe(recipe, rollout), WORK / "o"), recipe, rollout)
 
 
+def interleaved(args: Any, results: dict[str, Any], rollout: Any, dirs: tuple[Any, Any], prompts_ids: list[list[int]],
+                save: Any) -> None:  # fmt: skip
+    """``--interleave``: every variant's engine up at once (each engine core in its own process, with
+    ``--gpu-memory-utilization`` of the GPU each), then ``--repeats`` rounds of one timed generate per variant, the
+    order rotated each round, so that each round's ratios to the first variant are paired in time (the machine's
+    drift between variants measured minutes apart is what single runs could not separate, docs/benchmarks.md)."""
+    mode = args.modes[0] if args.modes else FP8RL
+    engines: dict[str, Any] = {}
+    try:
+        for variant in args.variants:
+            recipe, served = variant_settings(variant, rollout)
+            engines[variant] = e = start_engine(variant, recipe, served, *dirs)
+            e.llm.generate(
+                [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]],
+                request_params(e._vllm, mode, 32, 16),
+                use_tqdm=False,
+            )  # warm-up
+            results["variants"][variant] = {"engine_process": True, "interleaved": True, "modes": {mode: {"runs": []}}}
+        names = list(engines)
+        rounds: list[dict[str, float]] = []
+        for r in range(args.repeats):
+            steps: dict[str, float] = {}
+            for variant in names[r % len(names) :] + names[: r % len(names)]:
+                run = timed_generate(engines[variant], mode, prompts_ids, args.max_tokens, args.batch)
+                results["variants"][variant]["modes"][mode]["runs"].append(run)
+                steps[variant] = run["ms_per_decode_step"]
+                print(f"{variant} round {r + 1}: {json.dumps(run)}", flush=True)
+                save()
+            rounds.append({v: steps[names[0]] / steps[v] for v in names})
+        results["paired_speedup"] = {
+            "baseline": names[0],
+            "per_round": rounds,
+            "median": {v: sorted(x[v] for x in rounds)[len(rounds) // 2] for v in names},
+        }
+        print(f"paired speedup vs {names[0]} (median of {len(rounds)}): {results['paired_speedup']['median']}")
+        save()
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="bf16,fp8,fp8-kv", help=f"of {', '.join(VARIANTS)}")
@@ -335,6 +378,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=1, help="timed generates per mode, the mode order rotated each time")
     p.add_argument("--engine-process", action="store_true", help="vLLM's engine core in its own process")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --engine-process: all variants' engines up at once, --repeats rounds of one timed "
+                        "generate each (the first of --modes), ratios paired by round; each engine takes "
+                        "--gpu-memory-utilization (0.45 for two at the 8B shape: an H200)")  # fmt: skip
     p.add_argument("--modes", default="", help="comma-separated subset of the modes (fp8rl, dicts, neither, gc-off)")
     args = p.parse_args()
     short = {"fp8rl": FP8RL, "dicts": "seeded+logprob dicts", "neither": "neither", "gc-off": GC_OFF}
@@ -342,6 +389,8 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         p.error(f"--modes: unknown {unknown}; expected some of {sorted(short)}")
     args.modes = [short[m] for m in args.modes.split(",") if m]
+    if args.interleave and not args.engine_process:
+        p.error("--interleave needs --engine-process (two in-process engines cannot share a process)")
     args.variants = args.variants.split(",")
     unknown = [v for v in args.variants if v.split("@")[0] not in VARIANTS]
     if unknown:
@@ -371,6 +420,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     vocab = min(150_000, dims["vocab_size"] - 1)
     prompts_ids = torch.randint(10, vocab, (max(args.batch, args.long_batch), 64), generator=gen).tolist()
+    if args.interleave:
+        save = lambda: out.write_text(json.dumps(results, indent=1))  # noqa: E731
+        interleaved(args, results, rollout, (bf16_dir, fp8_dir), prompts_ids, save)
+        print(f"wrote {out}", flush=True)
+        return
     for variant in args.variants:
         recipe, served = variant_settings(variant, rollout)
         e = start_engine(variant, recipe, served, bf16_dir, fp8_dir)
