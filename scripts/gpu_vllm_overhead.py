@@ -223,14 +223,16 @@ def timed_generate(e: Any, mode: str, prompts_ids: list[list[int]], tokens: int,
     }
 
 
+def warm_up(e: Any, prompts_ids: list[list[int]], mode: str = FP8RL) -> None:
+    """One short generate (16 requests x 32 tokens) before anything is timed."""
+    prompts = [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]]
+    e.llm.generate(prompts, request_params(e._vllm, mode, 32, 16), use_tqdm=False)
+
+
 def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry: dict[str, Any], save: Any) -> None:
     """Fill ``entry`` for one engine: the timed modes (repeated, order rotated), the long run, the profiles;
     ``save()`` after each result, so a run cut short keeps what it measured."""
-    e.llm.generate(
-        [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]],
-        request_params(e._vllm, FP8RL, 32, 16),
-        use_tqdm=False,
-    )  # warm-up
+    warm_up(e, prompts_ids)
     names = [m for m in MODES if m in args.modes] if args.modes else list(MODES)
     for r in range(args.repeats):
         for mode in names[r % len(names) :] + names[: r % len(names)]:
@@ -253,15 +255,13 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
         e._vllm.TokensPrompt(prompt_token_ids=(list(x) * reps)[: args.profile_prompt])
         for x in prompts_ids[: args.batch]
     ]
-    if args.profile_tokens and not ENGINE_PROCESS:
+    if (args.profile_tokens or args.host_profile) and not ENGINE_PROCESS:
         e.llm.generate(prompts, request_params(e._vllm, "neither", 1, args.batch), use_tqdm=False)
     for mode in picked if args.profile_tokens and not ENGINE_PROCESS else ():
         prof = profile(e, prompts, request_params(e._vllm, mode, args.profile_tokens, args.batch))
         entry[f"profile {mode}"] = prof
         print(f"{variant} profile {mode}: {json.dumps(prof)[:1500]}", flush=True)
     if args.host_profile and not ENGINE_PROCESS:
-        if not args.profile_tokens:  # the profiled prompts into the prefix cache
-            e.llm.generate(prompts, request_params(e._vllm, "neither", 1, args.batch), use_tqdm=False)
         params = request_params(e._vllm, FP8RL, args.host_profile, args.batch)
         entry["host profile"] = hp = host_profile(e, prompts, params, args.host_profile)
         save()
@@ -326,11 +326,7 @@ def interleaved(args: Any, results: dict[str, Any], rollout: Any, dirs: tuple[An
         for variant in args.variants:
             recipe, served = variant_settings(variant, rollout)
             engines[variant] = e = start_engine(variant, recipe, served, *dirs)
-            e.llm.generate(
-                [e._vllm.TokensPrompt(prompt_token_ids=list(x)) for x in prompts_ids[:16]],
-                request_params(e._vllm, mode, 32, 16),
-                use_tqdm=False,
-            )  # warm-up
+            warm_up(e, prompts_ids, mode)
             results["variants"][variant] = {"engine_process": True, "interleaved": True, "modes": {mode: {"runs": []}}}
         names = list(engines)
         rounds: list[dict[str, float]] = []
