@@ -106,6 +106,13 @@ for target in "${targets[@]}"; do
     start=$SECONDS
     run "${build_cmd[@]}" --platform "$PLATFORM" -f "images/Dockerfile.$target" "${args[@]}" -t "$image" .
     [ "$dry_run" = 1 ] || printf 'build.sh: built %s in %ss\n' "$image" "$((SECONDS - start))" >&2
+    if [ "$DOCKER" != docker ]; then
+        # podman and buildah cache the build stage as untagged intermediate images, which `podman image prune`
+        # (what frees the disk that each rebuild's new venv layer takes) removes with the untagged old images:
+        # a tag keeps that cache (the TransformerEngine build, the dependencies' install). All cached: seconds.
+        run "${build_cmd[@]}" --platform "$PLATFORM" -f "images/Dockerfile.$target" "${args[@]}" --target build \
+            -t "fp8rl-$target-build:$TAG" .
+    fi
     if [ -n "$save_dir" ]; then
         archive="$save_dir/fp8rl-$target-$TAG.oci.tar"
         if [ "$DOCKER" = buildah ]; then

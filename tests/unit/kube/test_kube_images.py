@@ -303,12 +303,19 @@ def test_build_script_local_base_and_save(tmp_path: Path) -> None:
         env={"PATH": "/usr/bin:/bin", "TORCH_INDEX_URL": "https://pypi.org/simple", "TORCH_VARIANT": ""},
     )
     assert proc.returncode == 0, proc.stderr
-    build, save, rename = (shlex.split(x[2:]) for x in proc.stdout.splitlines() if x.startswith("+ "))
+    build, build_stage, save, rename = (shlex.split(x[2:]) for x in proc.stdout.splitlines() if x.startswith("+ "))
     assert build[:2] == ["podman", "build"], "--local-base needs podman (or DOCKER=buildah)"
+    # the build stage keeps a tag of its own, so `podman image prune` keeps its cache
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    target = build_stage.index("--target")
+    assert build_stage[target + 1] == "build"
+    assert build_stage[build_stage.index("-t") + 1] == f"fp8rl-component-build:{version}"
+    assert build_stage[:target] + build_stage[target + 2 :] == [
+        f"fp8rl-component-build:{version}" if w == f"fp8rl-component:{version}" else w for w in build
+    ], "the same build arguments, so every step is a cache hit"
     build_args = dict(build[i + 1].split("=", 1) for i, w in enumerate(build) if w == "--build-arg")
     assert build_args["BASE_IMAGE"] == "localhost/fp8rl-base/python:3.12-noble"
     assert build_args["TORCH_INDEX_URL"] == "https://pypi.org/simple" and build_args["TORCH_VARIANT"] == ""
-    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     archive = f"{tmp_path}/fp8rl-component-{version}.oci.tar"
     assert save == ["podman", "save", "--format", "oci-archive", "-o", f"{archive}.tmp", f"fp8rl-component:{version}"]
     assert rename == ["mv", f"{archive}.tmp", archive], "the archive appears whole or not at all"
