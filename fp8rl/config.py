@@ -335,6 +335,30 @@ class RayConfig(_Strict):
 # the vLLM attention backend that reads a per-token-head scaled FP8 KV cache (rollout.kv_scaling token_head)
 TOKEN_HEAD_ATTENTION = "TRITON_ATTN"
 
+# vllm.LLM arguments fp8rl sets itself, and what sets them: rollout.engine_kwargs may not name them
+ENGINE_KWARGS_SET_BY_FP8RL = {
+    "model": "the checkpoint it serves (model, converted for the recipe)",
+    "tokenizer": "its token-id prompts (no tokenizer in the engine)",
+    "skip_tokenizer_init": "its token-id prompts (no tokenizer in the engine)",
+    "dtype": "the recipe (BF16 activations)",
+    "quantization": "recipe.rollout_precision, recipe.quant and rollout.fp8_scaling",
+    "seed": "seed",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "enforce_eager": "rollout.enforce_eager",
+    "logprobs_mode": "its logprob contract (the temperature-scaled distribution's)",
+    "kv_cache_dtype": "recipe.kv_cache and rollout.kv_scaling",
+    "calculate_kv_scales": "recipe.kv_cache and rollout.kv_scaling (fp8rl recalibrates the scales)",
+    "enable_sleep_mode": "ray.layout (colocated engines sleep)",
+    "enable_prefix_caching": "rollout.prefix_caching",
+    "attention_backend": "rollout.attention_backend",
+    "max_model_len": "rollout.max_model_len",
+    "tensor_parallel_size": "rollout.tensor_parallel_size",
+    "distributed_executor_backend": "rollout.tensor_parallel_size (each rank a Ray actor of fp8rl's)",
+    "disable_custom_all_reduce": "rollout.tensor_parallel_size",
+    "pipeline_parallel_size": "nothing: fp8rl's weight sync splits the model by tensor parallelism only",
+    "data_parallel_size": "ray.rollout_workers (one engine per worker or tensor-parallel group)",
+}
+
 
 class RolloutConfig(_Strict):
     """Which rollout engine serves generation, and the vLLM engine's settings."""
@@ -379,6 +403,20 @@ class RolloutConfig(_Strict):
     # every request as the responses grow, host work in each decode step: off when prompts are short and the
     # decode is host-bound (the 8B benchmarks, docs/benchmarks.md)
     prefix_caching: bool = True
+    # vllm: further arguments of vllm.LLM (vLLM's engine arguments: block_size, max_num_seqs,
+    # max_num_batched_tokens, compilation_config, ...) on top of the ones fp8rl sets, which it refuses here
+    # (ENGINE_KWARGS_SET_BY_FP8RL); names vLLM does not know are refused when the engine starts
+    engine_kwargs: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _engine_kwargs_not_set_by_fp8rl(self) -> RolloutConfig:
+        for key in self.engine_kwargs:
+            if key in ENGINE_KWARGS_SET_BY_FP8RL:
+                raise ValueError(
+                    f"rollout.engine_kwargs.{key}: fp8rl sets it from {ENGINE_KWARGS_SET_BY_FP8RL[key]}; "
+                    "leave it out of engine_kwargs"
+                )
+        return self
 
     @model_validator(mode="after")
     def _kv_scaling_backend(self) -> RolloutConfig:

@@ -28,6 +28,8 @@ per-token-head FP8 cache (``rollout.kv_scaling: token_head``); ``VARIANT@BACKEND
 ``--host-profile 128`` adds a generate of 128 new tokens under cProfile (the host's time per decode step by function).
 ``--engine-process --interleave --repeats 3`` keeps every variant's engine up and times them in turns, the ratios
 paired by round (one lease's drift between variants timed minutes apart moved the 8B ratio by ~0.18, 2026-11-27).
+``VARIANT+KEY=VALUE`` adds a vLLM engine argument (``rollout.engine_kwargs``), e.g. ``fp8-row-kv+block_size=32``
+beside ``fp8-row-kv`` in one interleaved run: the scheduler's per-step block work against the same engine's.
 
 Writes $OUT/gpu_vllm_overhead.json.
 """
@@ -38,6 +40,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 from collections import defaultdict
@@ -113,7 +116,7 @@ def roofline(
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     linear = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter)
     head = c["vocab_size"] * h  # the lm_head (tied or not) is read in bf16 every step
-    base = variant.split("@")[0]
+    base = variant_base(variant)
     weight_bytes = linear * (1 if not base.startswith("bf16") else 2) + head * 2
     kv_elem = 2.0  # bytes a cached value: BF16; -kv: FP8; -kvh: FP8 plus a float32 scale per token, head and K or V
     if base.endswith("-kvh"):
@@ -273,13 +276,23 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
 VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv", "fp8-row-kvh")
 
 
+def variant_base(variant: str) -> str:
+    """``NAME`` of a variant ``NAME[@BACKEND][+KEY=VALUE...]``."""
+    return re.split(r"[@+]", variant, maxsplit=1)[0]
+
+
 def variant_settings(variant: str, rollout: Any) -> tuple[Any, Any]:
     """A variant's rollout recipe (bf16, or fp8-rollout's block FP8; -kv: the FP8 KV cache with per-tensor scales,
     -kvh: with vLLM's per-token-head scales) and rollout config (fp8-row: ``fp8_scaling: channel``, per-channel
-    weights the engine converts from BF16; ``@BACKEND``: vLLM's attention backend, e.g. ``fp8-row-kv@TRITON_ATTN``)."""
+    weights the engine converts from BF16; ``@BACKEND``: vLLM's attention backend, e.g. ``fp8-row-kv@TRITON_ATTN``;
+    each ``+KEY=VALUE``: a vLLM engine argument of ``rollout.engine_kwargs``, e.g. ``bf16+block_size=32``)."""
+    import yaml
+
     from fp8rl.config import RolloutConfig, load_recipe
 
-    base, _, backend = variant.partition("@")
+    name, *extra = variant.split("+")
+    base, _, backend = name.partition("@")
+    engine_kwargs = {k: yaml.safe_load(v) for k, _, v in (e.partition("=") for e in extra)}
     recipe = load_recipe("bf16" if base == "bf16" else "fp8-rollout")
     if base.endswith(("-kv", "-kvh")):
         recipe = recipe.model_copy(update={"kv_cache": "fp8"})
@@ -287,6 +300,7 @@ def variant_settings(variant: str, rollout: Any) -> tuple[Any, Any]:
         "fp8_scaling": "channel" if base.startswith("fp8-row") else "recipe",
         "kv_scaling": "token_head" if base.endswith("-kvh") else "tensor",
         "attention_backend": backend or None,
+        "engine_kwargs": rollout.engine_kwargs | engine_kwargs,
     }
     return recipe, RolloutConfig.model_validate(rollout.model_dump() | update)
 
@@ -388,7 +402,8 @@ def parse_args() -> argparse.Namespace:
     if args.interleave and not args.engine_process:
         p.error("--interleave needs --engine-process (two in-process engines cannot share a process)")
     args.variants = args.variants.split(",")
-    unknown = [v for v in args.variants if v.split("@")[0] not in VARIANTS]
+    unknown = [v for v in args.variants if variant_base(v) not in VARIANTS]
+    unknown += [v for v in args.variants if any("=" not in e for e in v.split("+")[1:])]
     if unknown:
         p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
     return args

@@ -24,6 +24,7 @@ This module imports without vLLM; vLLM is imported when an engine starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -91,6 +92,7 @@ def vllm_engine_kwargs(
         "enable_sleep_mode": sleep_mode,
         "enable_prefix_caching": rollout.prefix_caching,
     }
+    kwargs |= rollout.engine_kwargs  # none of the keys above (RolloutConfig refuses those)
     backend = rollout.vllm_attention_backend(fp8_cache=recipe.kv_cache == "fp8")
     if backend is not None:
         kwargs["attention_backend"] = backend
@@ -106,6 +108,17 @@ def vllm_engine_kwargs(
             "disable_custom_all_reduce": True,
         }
     return kwargs
+
+
+def check_engine_kwargs(rollout: RolloutConfig, vllm: Any) -> None:
+    """A ``UserError`` naming ``rollout.engine_kwargs.<key>`` when ``vllm.EngineArgs`` has no such argument."""
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    unknown = sorted(set(rollout.engine_kwargs) - known)
+    if unknown:
+        raise UserError(
+            f"rollout.engine_kwargs.{unknown[0]}: not an argument of vLLM {vllm.__version__}'s engine "
+            f"(vllm.EngineArgs){f'; nor are {unknown[1:]}' if unknown[1:] else ''}"
+        )
 
 
 def check_attention_backend(name: str | None) -> None:
@@ -187,6 +200,7 @@ class VLLMRolloutEngine:
         self.kv_scales: dict[int, KVScales] = {}
         vllm = import_vllm()
         self._vllm = vllm
+        check_engine_kwargs(self.rollout, vllm)
         kwargs = vllm_engine_kwargs(self.checkpoint, recipe, self.rollout, seed, sleep_mode)
         check_attention_backend(kwargs.get("attention_backend"))
         self.llm = vllm.LLM(**kwargs)

@@ -38,7 +38,11 @@ ROLLOUT = RolloutConfig(engine="vllm", gpu_memory_utilization=0.05, enforce_eage
 def engine(model_dir: Path, work: Path, recipe: str = "fp8-rollout", **kw: Any) -> Iterator[Any]:
     from fp8rl.rollout.vllm_engine import VLLMRolloutEngine
 
-    update = {"fp8_scaling": kw.pop("fp8_scaling", "recipe"), "kv_scaling": kw.pop("kv_scaling", "tensor")}
+    update = {
+        "fp8_scaling": kw.pop("fp8_scaling", "recipe"),
+        "kv_scaling": kw.pop("kv_scaling", "tensor"),
+        "engine_kwargs": kw.pop("engine_kwargs", {}),
+    }
     rollout = RolloutConfig.model_validate(ROLLOUT.model_dump() | update)
     e = VLLMRolloutEngine(model_dir, kw.pop("recipe_obj", None) or load_recipe(recipe), rollout, work_dir=work, **kw)
     try:
@@ -67,6 +71,22 @@ def test_generate_shapes_and_logprobs(tiny_models: dict[str, Path], tmp_path: Pa
         again = e.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=12, seed=3))
         assert torch.equal(again.response_ids, r.response_ids)  # per-request seeds: reproducible
         assert e.policy_version == r.policy_version == 0
+
+
+def test_fp8rl_sets_real_engine_arguments_and_passes_further_ones(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """What RolloutConfig refuses in ``engine_kwargs`` are vLLM engine arguments, and one it passes reaches vLLM."""
+    import dataclasses
+
+    import vllm
+
+    from fp8rl.config import ENGINE_KWARGS_SET_BY_FP8RL
+
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    assert set(ENGINE_KWARGS_SET_BY_FP8RL) <= known, set(ENGINE_KWARGS_SET_BY_FP8RL) - known
+    with engine(tiny_models["small"], tmp_path, engine_kwargs={"block_size": 32, "max_num_seqs": 8}) as e:
+        assert e.llm.llm_engine.vllm_config.cache_config.block_size == 32
+        assert e.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs == 8
+        assert e.generate(PROMPTS, GREEDY).response_ids.shape[0] == len(PROMPTS)
 
 
 def test_flat_logprobs_equal_vllms_per_token_dicts(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ concatenated and quantized the way vLLM's loader fuses a checkpoint) and un-fuse
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from fp8rl.config import RolloutConfig, kv_scales_calibrated, load_recipe, parse_run_config
+from fp8rl.config import ConfigError, RolloutConfig, kv_scales_calibrated, load_recipe, parse_run_config
 from fp8rl.errors import UserError
 from fp8rl.models import make_tiny_model
 from fp8rl.models.loading import read_model_config
@@ -208,6 +209,32 @@ def test_engine_kwargs_per_recipe() -> None:
     assert bf16["enable_prefix_caching"] and fp8["enable_prefix_caching"]  # vLLM's default, kept
     off = ve.vllm_engine_kwargs("/c", load_recipe("fp8-e2e"), RolloutConfig(prefix_caching=False))
     assert off["enable_prefix_caching"] is False
+
+
+def test_engine_kwargs_pass_further_vllm_arguments_but_not_the_ones_fp8rl_sets() -> None:
+    ro = RolloutConfig(engine_kwargs={"block_size": 32, "max_num_seqs": 512, "compilation_config": {"level": 3}})
+    got = ve.vllm_engine_kwargs("/c", load_recipe("fp8-e2e"), ro)
+    assert (got["block_size"], got["max_num_seqs"], got["compilation_config"]) == (32, 512, {"level": 3})
+    assert got["quantization"] == "fp8" and got["model"] == "/c"  # fp8rl's own stay
+    with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.enable_prefix_caching: .*rollout\.prefix_caching"):
+        parse_run_config({"recipe": "bf16", "rollout": {"engine_kwargs": {"enable_prefix_caching": False}}})
+    with pytest.raises(ConfigError, match=r"rollout\.engine_kwargs\.quantization: .*recipe\.quant"):
+        parse_run_config({"recipe": "bf16", "rollout": {"engine_kwargs": {"quantization": "fp8"}}})
+
+
+def test_engine_kwargs_unknown_to_vllm_are_refused_naming_the_key() -> None:
+    """vLLM is not importable on CPU: a stand-in module whose ``EngineArgs`` dataclass has two of vLLM's fields
+    (the GPU test ``test_fp8rl_sets_real_engine_arguments`` checks the real one)."""
+
+    @dataclasses.dataclass
+    class EngineArgs:
+        block_size: int | None = None
+        max_num_seqs: int | None = None
+
+    vllm = SimpleNamespace(EngineArgs=EngineArgs, __version__="0.26.0")
+    ve.check_engine_kwargs(RolloutConfig(engine_kwargs={"block_size": 32}), vllm)
+    with pytest.raises(UserError, match=r"rollout\.engine_kwargs\.blok_size: not an argument of vLLM 0\.26\.0"):
+        ve.check_engine_kwargs(RolloutConfig(engine_kwargs={"blok_size": 32, "max_num_seqs": 8}), vllm)
 
 
 def test_engine_kwargs_for_the_kv_cache_scaling_and_attention_backend() -> None:
