@@ -108,7 +108,7 @@ def self_check() -> dict[str, Any]:
 
 def eager_samples(fn: Callable[[], object], reps: int, warmup: int = 5) -> list[float]:
     """Milliseconds of single calls between CUDA events (host launch cost included), after ``warmup`` calls."""
-    from fp8rl.bench.kernels import event_samples_ms
+    from fp8rl.bench.timing import event_samples_ms
 
     return event_samples_ms(fn, reps, warmup)
 

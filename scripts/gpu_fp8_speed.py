@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sections import run_section, say
 from gpu_te_speed import decoder_stack, opts
 
-from fp8rl.bench.kernels import copy_bandwidth_gbs, time_ms
+from fp8rl.bench.timing import copy_bandwidth_gbs, time_ms
 from fp8rl.quant import QuantSpec
 from fp8rl.train.step_profile import category, device_ms_by_category
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer
@@ -429,10 +429,10 @@ def main() -> None:
     p.add_argument("--json", default="fp8_speed.json", help="file name under $OUT")
     a = p.parse_args()
     if a.colwise_config:
-        from fp8rl.quant import kernels
+        from fp8rl.quant import launch_config
 
         size, warps, mode = a.colwise_config.split(",")
-        kernels.GROUPS_COLWISE_CONFIG = (int(size), int(warps), mode)
+        launch_config.set_launch({"colwise": (int(size), int(warps), mode)})
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(os.environ.get("OUT", ".")) / (a.json if rank == 0 else f"rank{rank}-{a.json}")  # under torchrun
     if "LOCAL_RANK" in os.environ:  # this rank's GPU, before anything names or uses one

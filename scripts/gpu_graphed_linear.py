@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8rl.bench.kernels import back_to_back_ms
+from fp8rl.bench.timing import back_to_back_ms
 from fp8rl.quant import QuantSpec
 from fp8rl.train.fp8_linear import FP8TrainLinear
 

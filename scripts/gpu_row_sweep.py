@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8rl.bench.kernels import copy_bandwidth_gbs, time_ms
+from fp8rl.bench.timing import copy_bandwidth_gbs, time_ms
 from fp8rl.quant import QuantSpec
 from fp8rl.quant import row_linear as rl
 from fp8rl.quant.block_linear import quantize_block_input

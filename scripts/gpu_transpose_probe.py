@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8rl.bench.kernels import copy_bandwidth_gbs, gpu_time_ms
+from fp8rl.bench.timing import copy_bandwidth_gbs, gpu_time_ms
 from fp8rl.quant import kernels
 from fp8rl.quant.formats import E4M3
 

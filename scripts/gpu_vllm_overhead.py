@@ -413,7 +413,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from fp8rl.bench.kernels import copy_bandwidth_gbs
+    from fp8rl.bench.timing import copy_bandwidth_gbs
     from fp8rl.config import RolloutConfig
 
     results = start_report()

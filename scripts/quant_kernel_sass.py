@@ -33,12 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton
 import triton.language as tl
 
-from fp8rl.quant import kernels
+from fp8rl.quant import kernels, launch_config
 
 # (name, rowwise, transposed, rows per program, columns per program, warps): the launches quantize_groups makes
 LAUNCHES = (
-    ("rowwise", True, False, kernels.GROUPS_ROWWISE_CONFIG[0], 128, kernels.GROUPS_ROWWISE_CONFIG[1]),
-    ("transposed (split mode)", False, True, 128, kernels.GROUPS_COLWISE_CONFIG[0], kernels.GROUPS_COLWISE_CONFIG[1]),
+    ("rowwise", True, False, launch_config.GROUPS_ROWWISE_CONFIG[0], 128, launch_config.GROUPS_ROWWISE_CONFIG[1]),
+    (
+        "transposed (split mode)",
+        False,
+        True,
+        128,
+        launch_config.GROUPS_COLWISE_CONFIG[0],
+        launch_config.GROUPS_COLWISE_CONFIG[1],
+    ),
     ("both copies, one read (fused mode)", True, True, 128, 128, 16),
 )
 

@@ -18,13 +18,13 @@ import argparse
 import functools
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from fp8rl.atomic import atomic_write_text
+from fp8rl.bench.timing import back_to_back_ms, copy_bandwidth_gbs, gpu_time_ms, time_ms
 
 # torch is imported inside the functions: the `fp8rl` command builds its parser from this module
 # and must stay quick to start.
@@ -42,77 +42,6 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
         m, n, k = (int(p) for p in parts)
         shapes.append((m, n, k))
     return shapes
-
-
-def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
-    """Median milliseconds of ``fn`` on the current CUDA stream (CUDA events around each call)."""
-    return statistics.median(event_samples_ms(fn, reps, warmup))
-
-
-def event_samples_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
-    """Milliseconds of ``reps`` single calls of ``fn`` between CUDA events on the current stream (the host's launch
-    cost included where the GPU waits for it), after ``warmup`` calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def gpu_time_ms(fn: Callable[[], object], calls: int = 10, reps: int = 10) -> float:
-    """Median device milliseconds per call of ``fn``, with no host time in it: ``calls`` calls captured
-    in a CUDA graph and replayed (the kernels' own time, for the bandwidth roofline)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_ms(graph.replay, warmup=2, reps=reps) / calls
-
-
-def back_to_back_ms(fn: Callable[[], object], calls: int = 20) -> tuple[float, float]:
-    """(milliseconds per call, host milliseconds per call) of ``calls`` eager calls issued back to back:
-    the host runs ahead of the device as in a training loop, so this is max(device, host) per call."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    host = (time.perf_counter() - t0) * 1e3 / calls
-    end.synchronize()
-    return start.elapsed_time(end) / calls, host
-
-
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth, counting bytes read plus written (the memory roofline)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps=10)
-    return 2 * nbytes / ms / 1e6
 
 
 def _quant_rows(m: int, k: int, copy_gbs: float) -> list[dict[str, Any]]:
@@ -158,15 +87,15 @@ TILES_CANDIDATES = [4, 8, 16]
 
 def sweep_quant_configs(shapes: Sequence[tuple[int, int]], copy_gbs: float) -> dict[str, Any]:
     """Device time of each launch configuration of the fused quantizers at each ``[m, k]`` (bytes identical across
-    them), and the fastest of each kind over all the shapes (summed time), in ``kernels.parse_launch``'s form.
+    them), and the fastest of each kind over all the shapes (summed time), in ``launch_config.parse_launch``'s form.
 
     The rowwise sweep runs first and its winner is in use for the rest: the split mode's rowwise launch is one."""
     import torch
 
-    from fp8rl.quant import kernels
+    from fp8rl.quant import kernels, launch_config
     from fp8rl.quant.formats import E4M3
 
-    before = kernels.launch_now()
+    before = launch_config.launch_now()
     xs = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m, k in shapes}
     rows: list[dict[str, Any]] = []
 
@@ -187,14 +116,14 @@ def sweep_quant_configs(shapes: Sequence[tuple[int, int]], copy_gbs: float) -> d
     try:
         row = fastest({(b, w): measure("groups", (b, w), 3, config=(b, w, "")) for b, w in ROWWISE_CANDIDATES})
         best["rowwise"] = list(row)
-        kernels.set_launch({"rowwise": (*row, "")})
+        launch_config.set_launch({"rowwise": (*row, "")})
         col = fastest({c: measure("groups+transposed", c, 4, colwise=True, config=c) for c in COLWISE_CANDIDATES})
         best["colwise"] = list(col)
         best["tiles_warps"] = fastest(
             {w: measure("tiles+transposed", (w,), 4, transpose=True, warps=w) for w in TILES_CANDIDATES}
         )
     finally:
-        kernels.set_launch(kernels.launch_from(before))
+        launch_config.set_launch(launch_config.launch_from(before))
     return {"rows": rows, "best": best, "default": before}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fp8rl.bench.throughput import ThroughputResult
-from fp8rl.quant.kernels import COPIES, TILE_COPIES
+from fp8rl.quant.launch_config import COPIES, TILE_COPIES
 
 
 def _largest_first(values: dict[str, float]) -> list[tuple[str, float]]:

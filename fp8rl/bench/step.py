@@ -34,7 +34,7 @@ from fp8rl.bench.profile_report import quantize_bytes as quantize_bytes  # re-ex
 from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe
 from fp8rl.config import RunConfig, load_recipe, parse_run_config
 from fp8rl.errors import UserError
-from fp8rl.quant.kernels import LAUNCH_ENV, launch_now
+from fp8rl.quant.launch_config import LAUNCH_ENV, launch_now
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from fp8rl.config import RayConfig, RunConfig, kv_scales_calibrated
 from fp8rl.errors import UserError
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
-from fp8rl.quant.kernels import LAUNCH_ENV
+from fp8rl.quant.launch_config import LAUNCH_ENV
 from fp8rl.rollout.kv_calibration import kv_scale_metrics
 from fp8rl.sync import SyncStats
 from fp8rl.tracking import MetricsSink

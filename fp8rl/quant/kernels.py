@@ -31,16 +31,14 @@ GEMM reads (``fp8rl.quant.gemm``) without a copy.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 
 import torch
 
+from fp8rl.quant import launch_config
 from fp8rl.quant.formats import FP8Format
+from fp8rl.quant.launch_config import COPIES, TILE_COPIES, is_pow2, launch_kernel
 
 try:  # Triton ships with PyTorch's CUDA wheels on Linux; elsewhere the reference runs.
     import triton
@@ -84,14 +82,10 @@ def padded_shape(x: torch.Tensor, rows_out: int | None, who: str) -> tuple[int, 
     return r, c, r_out
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
-
-
 def supports_block(block: tuple[int, int]) -> bool:
     """Block shapes the kernels handle: powers of two up to 128 (1 x G groups or Br x Bc tiles)."""
     br, bc = block
-    return _is_pow2(br) and _is_pow2(bc) and br <= 128 and 16 <= bc <= 128
+    return is_pow2(br) and is_pow2(bc) and br <= 128 and 16 <= bc <= 128
 
 
 def _fp8_tl_dtype(fmt: FP8Format):
@@ -234,116 +228,6 @@ if triton is not None:
             tl.store(s_ptr, s)
 
 
-# Launch configurations, chosen by a sweep on an H100 (fp8rl.bench.kernels --sweep; docs/benchmarks.md):
-# rowwise only: (rows per program, warps, -); with the transposed copy: (columns per program, warps, mode).
-# ``FP8RL_QUANT_LAUNCH`` (JSON, as ``fp8rl bench kernels --sweep --launch-json`` writes it) replaces them at import.
-GROUPS_ROWWISE_CONFIG: tuple[int, int, str] = (32, 4, "")
-GROUPS_COLWISE_CONFIG: tuple[int, int, str] = (64, 4, "split")
-TILES_WARPS = 16
-LAUNCH_ENV = "FP8RL_QUANT_LAUNCH"
-_WARPS = (1, 2, 4, 8, 16, 32)
-
-
-def parse_launch(text: str, source: str = LAUNCH_ENV) -> dict[str, object]:
-    """The launch configurations in ``text``: JSON ``{"rowwise": [rows, warps], "colwise": [columns, warps, mode],
-    "tiles_warps": warps}``, each key optional; ``ValueError`` naming ``source`` and the key on anything else."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not JSON ({e})") from None
-    return launch_from(raw, source)
-
-
-def launch_from(raw: object, source: str = LAUNCH_ENV) -> dict[str, object]:
-    """``parse_launch`` of already-decoded JSON (``launch_now()``'s form included): what ``set_launch`` takes."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    unknown = set(raw) - {"rowwise", "colwise", "tiles_warps"}
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {sorted(unknown)} (rowwise, colwise, tiles_warps)")
-    out: dict[str, object] = {}
-    if "rowwise" in raw:
-        v = raw["rowwise"]
-        ok = isinstance(v, list) and len(v) == 2 and all(type(i) is int for i in v)
-        if not ok or not (_is_pow2(v[0]) and v[0] <= 128 and v[1] in _WARPS):
-            raise ValueError(f"{source}: rowwise must be [rows per program (power of two <= 128), warps], got {v!r}")
-        out["rowwise"] = (v[0], v[1], "")
-    if "colwise" in raw:
-        v = raw["colwise"]
-        ok = isinstance(v, list) and len(v) == 3 and type(v[0]) is int and type(v[1]) is int
-        if not ok or v[2] not in ("split", "fused") or not (_is_pow2(v[0]) and 16 <= v[0] <= 128 and v[1] in _WARPS):
-            raise ValueError(
-                f"{source}: colwise must be [columns per program (power of two, 16..128; 'fused' reads 128), warps, "
-                f"'split' or 'fused'], got {v!r}"
-            )
-        out["colwise"] = (v[0], v[1], v[2])
-    if "tiles_warps" in raw:
-        v = raw["tiles_warps"]
-        if type(v) is not int or v not in _WARPS:
-            raise ValueError(f"{source}: tiles_warps must be one of {list(_WARPS)}, got {v!r}")
-        out["tiles_warps"] = v
-    return out
-
-
-def set_launch(launch: dict[str, object]) -> None:
-    """Use these launch configurations from now on in this process (``parse_launch``'s keys)."""
-    global GROUPS_ROWWISE_CONFIG, GROUPS_COLWISE_CONFIG, TILES_WARPS
-    GROUPS_ROWWISE_CONFIG = launch.get("rowwise", GROUPS_ROWWISE_CONFIG)  # type: ignore[assignment]
-    GROUPS_COLWISE_CONFIG = launch.get("colwise", GROUPS_COLWISE_CONFIG)  # type: ignore[assignment]
-    TILES_WARPS = launch.get("tiles_warps", TILES_WARPS)  # type: ignore[assignment]
-
-
-def launch_now() -> dict[str, object]:
-    """The launch configurations in use, in ``parse_launch``'s form (JSON-ready)."""
-    return {
-        "rowwise": list(GROUPS_ROWWISE_CONFIG[:2]),
-        "colwise": list(GROUPS_COLWISE_CONFIG),
-        "tiles_warps": TILES_WARPS,
-    }
-
-
-if os.environ.get(LAUNCH_ENV):  # every process that quantizes reads it: Ray's trainer workers inherit the driver's
-    set_launch(parse_launch(os.environ[LAUNCH_ENV]))
-
-
-# the last part of a launch's label (``record_launches``): which copies it writes; (rowwise, transposed) -> name
-COPIES = {(True, False): "rowwise", (False, True): "transposed", (True, True): "rowwise_transposed"}
-TILE_COPIES = {False: "tiles", True: "tiles_transposed"}
-
-
-class _LaunchLog:
-    """What each kernel launch quantized, in launch order, while ``record_launches`` is active (else nothing)."""
-
-    launches: list[tuple[str, str]] | None = None
-
-
-@contextmanager
-def record_launches() -> Iterator[list[tuple[str, str]]]:
-    """Collect ``(kernel name, label)`` per quantization kernel launched in the block (``("_groups_kernel",
-    "1x128/16384x4096/rowwise")``, ...), in launch order: a profiler's kernel events of the same stream pair with them
-    one to one, each event's name holding its kernel's (``fp8rl.train.step_profile``)."""
-    before, launches = _LaunchLog.launches, list[tuple[str, str]]()
-    _LaunchLog.launches = launches
-    try:
-        yield launches
-    finally:
-        _LaunchLog.launches = before
-
-
-def _launch(
-    kernel,
-    grid: tuple[int, ...],
-    args: tuple[object, ...],
-    num_warps: int,
-    label: tuple[object, ...] = (),
-    **constexprs: object,
-) -> None:
-    if _LaunchLog.launches is not None:  # the label's parts joined only while recording (no cost otherwise)
-        name = kernel.fn.__name__
-        _LaunchLog.launches.append((name, "".join(map(str, label)) or name.strip("_")))
-    kernel[grid](*args, **constexprs, num_warps=num_warps)
-
-
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
 
@@ -390,11 +274,13 @@ def quantize_groups(
     st = scales(c, n_gt) if colwise else None
     if r_out == 0 or c == 0:
         return q, s, qt, st
-    size, warps, mode = config or (GROUPS_COLWISE_CONFIG if colwise else GROUPS_ROWWISE_CONFIG)
+    size, warps, mode = config or (
+        launch_config.GROUPS_COLWISE_CONFIG if colwise else launch_config.GROUPS_ROWWISE_CONFIG
+    )
     dummy = x  # any tensor: the pointer of an output that is not written
 
     def launch(rw: bool, cw: bool, br: int, bc: int, w: int) -> None:
-        _launch(
+        launch_kernel(
             _groups_kernel, (triton.cdiv(r_out, br), triton.cdiv(c, bc)),
             (x, q if rw and q is not None else dummy, s if rw and s is not None else dummy,
              qt if cw and qt is not None else dummy, st if cw and st is not None else dummy,
@@ -413,7 +299,8 @@ def quantize_groups(
         launch(rowwise, True, group, group, warps)
     else:
         if rowwise:
-            launch(True, False, GROUPS_ROWWISE_CONFIG[0], group, GROUPS_ROWWISE_CONFIG[1])
+            rows, rows_warps, _ = launch_config.GROUPS_ROWWISE_CONFIG
+            launch(True, False, rows, group, rows_warps)
         launch(False, True, group, size, warps)
     return q, s, qt, st
 
@@ -460,13 +347,13 @@ def quantize_tiles(
         raise ValueError(f"scale outputs must be [{n_r}, {n_c}] (and its transpose)")
     if r == 0 or c == 0:
         return q, s, qt, st
-    _launch(
+    launch_kernel(
         _tiles_kernel, (n_r, n_c),
         (x, q, s, qt if qt is not None else q, st if st is not None else s,
          r, c,
          x.stride(0), x.stride(1), c, s.stride(0), s.stride(1),
          r, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-        warps or (TILES_WARPS if br * bc >= 8192 else 4), (br, "x", bc, "/", r, "x", c, "/", TILE_COPIES[transpose]),
+        warps or (launch_config.TILES_WARPS if br * bc >= 8192 else 4), (br, "x", bc, "/", r, "x", c, "/", TILE_COPIES[transpose]),
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc, TRANSPOSE=transpose,
     )  # fmt: skip
     return q, s, qt, st
@@ -480,7 +367,7 @@ def quantize_rows(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.Te
     s = torch.empty(r, 1, dtype=torch.float32, device=x.device)
     if r and c:
         br = 4
-        _launch(
+        launch_kernel(
             _rows_kernel, (triton.cdiv(r, br),), (x2, q, s, r, c, x2.stride(0), x2.stride(1), c), 4,
             FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=1024,
         )  # fmt: skip
@@ -497,8 +384,8 @@ def quantize_tensor(x: torch.Tensor, fmt: FP8Format, pow2: bool) -> tuple[torch.
     br, bc = 32, 256
     grid = (triton.cdiv(max(r, 1), br), triton.cdiv(max(c, 1), bc))
     if r and c:
-        _launch(_amax_kernel, grid, (x2, amax, r, c, x2.stride(0), x2.stride(1)), 4, BR=br, BC=bc)
-    _launch(
+        launch_kernel(_amax_kernel, grid, (x2, amax, r, c, x2.stride(0), x2.stride(1)), 4, BR=br, BC=bc)
+    launch_kernel(
         _cast_tensor_kernel, grid, (x2, q, amax, s, r, c, x2.stride(0), x2.stride(1), c), 4,
         FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BR=br, BC=bc,
     )  # fmt: skip

@@ -34,7 +34,8 @@ import torch
 
 from fp8rl.quant import kernels
 from fp8rl.quant.formats import FP8Format, get_format
-from fp8rl.quant.kernels import COPIES, _launch, triton
+from fp8rl.quant.kernels import triton
+from fp8rl.quant.launch_config import COPIES, launch_kernel
 from fp8rl.quant.quantize import QuantSpec
 
 if triton is not None:
@@ -126,7 +127,7 @@ def quantize_rows_one_pass(
     s = torch.empty(rows_out, 1, dtype=torch.float32, device=x.device)
     if rows_out and c:
         bc = triton.next_power_of_2(c)
-        _launch(
+        launch_kernel(
             _row_one_pass_kernel, (rows_out,), (x, q, s, r, c, x.stride(0), x.stride(1), c), 8 if bc >= 4096 else 4,
             ("1x", c, "/", rows_out, "x", c, "/", COPIES[True, False]),
             FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), BC=bc,
@@ -153,13 +154,13 @@ def quantize_rows_cols(
     camax = torch.zeros(c if colwise else 1, dtype=torch.float32, device=dev)
     if r:
         br, bc, warps = AMAX_TILE
-        _launch(
+        launch_kernel(
             _amax_rows_cols_kernel, (triton.cdiv(r, br), triton.cdiv(c, bc)),
             (x, ramax, camax, r, c, x.stride(0), x.stride(1)), warps, BR=br, BC=bc, ROWS=rowwise, COLS=colwise,
         )  # fmt: skip
     br, bc, warps = CAST_TILE
     dummy = x  # the pointer of an output that is not written
-    _launch(
+    launch_kernel(
         _cast_rows_cols_kernel, (triton.cdiv(r_out, br), triton.cdiv(c, bc)),
         (x, q if q is not None else dummy, s if s is not None else dummy, qt if qt is not None else dummy,
          st if st is not None else dummy, ramax, camax, r, c, r_out, x.stride(0), x.stride(1), c, r_out), warps,

@@ -31,11 +31,11 @@ from typing import Any, Concatenate, ParamSpec, Protocol
 
 import torch
 
-from fp8rl.quant import kernels
+from fp8rl.quant import launch_config
 
 METRIC_PREFIX = "profile/train_ms/"
 CALLS_PREFIX = "profile/train_calls/"  # how many kernels (CPU: ops) of each category ran: ms / calls is the mean
-# CUDA: the FP8 quantization kernels by what each quantized (``fp8rl.quant.kernels.record_launches``' labels:
+# CUDA: the FP8 quantization kernels by what each quantized (``fp8rl.quant.launch_config.record_launches``' labels:
 # granularity/rows x columns/copies), their ms and launches; QUANT_UNPAIRED: launches and kernel events disagreed
 QUANT_MS_PREFIX, QUANT_CALLS_PREFIX, QUANT_UNPAIRED = (
     "profile/quant_ms/",
@@ -148,7 +148,7 @@ class StepProfile:
         prof.start()
         t0 = time.perf_counter()
         try:
-            with kernels.record_launches() as launches:
+            with launch_config.record_launches() as launches:
                 yield out
             if on_cuda:
                 torch.cuda.synchronize(self.device)

@@ -22,6 +22,7 @@ from fp8rl.quant import (  # noqa: E402
     QuantSpec,
     fp8_gemm,
     kernels,
+    launch_config,
     quantize,
     quantize_activation,
     quantize_weight,
@@ -317,7 +318,7 @@ def test_profiled_quantization_is_reported_by_launch_shape() -> None:
         for _ in range(3):
             kernels.quantize_groups(x, get_format("e4m3"), False, rowwise=True, colwise=True, rows_out=1024)
         kernels.quantize_tiles(w, get_format("e4m3"), False, transpose=True)
-    if kernels.GROUPS_COLWISE_CONFIG[2] == "split":  # a rowwise launch and a transposed one per call
+    if launch_config.GROUPS_COLWISE_CONFIG[2] == "split":  # a rowwise launch and a transposed one per call
         assert out[QUANT_CALLS_PREFIX + "1x128/1024x512/rowwise"] == 3
         assert out[QUANT_CALLS_PREFIX + "1x128/1024x512/transposed"] == 3
     else:

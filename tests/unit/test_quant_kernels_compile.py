@@ -11,7 +11,7 @@ import pytest
 
 tl = pytest.importorskip("triton.language")
 
-from fp8rl.quant import kernels, row_linear  # noqa: E402
+from fp8rl.quant import kernels, launch_config, row_linear  # noqa: E402
 from fp8rl.quant.kernels import compile_ahead  # noqa: E402
 
 
@@ -19,9 +19,9 @@ from fp8rl.quant.kernels import compile_ahead  # noqa: E402
 @pytest.mark.parametrize(("fp8", "fmt_max", "out"), [("fp8e4nv", 448.0, "float8e4nv"), ("fp8e5", 57344.0, "float8e5")])
 def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_max: float, out: str) -> None:
     fmt = {"FMT_MAX": fmt_max, "POW2": pow2, "OUT": getattr(tl, out)}
-    br, warps, _ = kernels.GROUPS_ROWWISE_CONFIG
+    br, warps, _ = launch_config.GROUPS_ROWWISE_CONFIG
     cast_rows, cast_cols, cast_warps = row_linear.CAST_TILE
-    bc_t, warps_t, _ = kernels.GROUPS_COLWISE_CONFIG
+    bc_t, warps_t, _ = launch_config.GROUPS_COLWISE_CONFIG
     # (rows, columns per program, rowwise, transposed, warps): the split mode's two launches, the one-read mode
     group_launches = [(br, 128, True, False, warps), (128, bc_t, False, True, warps_t), (128, 128, True, True, 16)]
     cubins = [
@@ -33,7 +33,9 @@ def test_every_quantization_kernel_compiles_for_sm90(pow2: bool, fp8: str, fmt_m
         for specialize in (False, True)  # as written, and as Triton specializes a launch at run time
     ]  # fmt: skip
     cubins += [
-        compile_ahead(kernels._tiles_kernel, fp8, fmt | {"BR": 128, "BC": 128, "TRANSPOSE": True}, kernels.TILES_WARPS),
+        compile_ahead(
+            kernels._tiles_kernel, fp8, fmt | {"BR": 128, "BC": 128, "TRANSPOSE": True}, launch_config.TILES_WARPS
+        ),
         compile_ahead(kernels._rows_kernel, fp8, fmt | {"BR": 4, "BC": 1024}, 4),
         compile_ahead(kernels._cast_tensor_kernel, fp8, fmt | {"BR": 32, "BC": 256}, 4),
     ]

@@ -1,6 +1,6 @@
-"""The quantization kernels' launch configurations: ``FP8RL_QUANT_LAUNCH`` and ``kernels.parse_launch``.
+"""The quantization kernels' launch configurations: ``FP8RL_QUANT_LAUNCH`` and ``launch_config.parse_launch``.
 
-What a configuration computes is the same bytes whatever it is (``tests/gpu/test_quant_kernels.py`` runs every one
+What a configuration computes is the same bytes whatever it is (``tests/gpu/test_quant_launch_config.py`` runs every one
 the sweep may pick); here, that the override is read, validated with errors that name the key, and applied in a fresh
 process as Ray's trainer workers would see it, and that every candidate compiles for Hopper.
 """
@@ -14,13 +14,13 @@ import sys
 
 import pytest
 
-from fp8rl.quant import kernels
+from fp8rl.quant import kernels, launch_config
 
 
 def test_parse_launch_accepts_each_key_alone_and_all_together() -> None:
-    assert kernels.parse_launch("{}") == {}
-    assert kernels.parse_launch('{"colwise": [128, 8, "fused"]}') == {"colwise": (128, 8, "fused")}
-    full = kernels.parse_launch(json.dumps({"rowwise": [64, 8], "colwise": [32, 2, "split"], "tiles_warps": 8}))
+    assert launch_config.parse_launch("{}") == {}
+    assert launch_config.parse_launch('{"colwise": [128, 8, "fused"]}') == {"colwise": (128, 8, "fused")}
+    full = launch_config.parse_launch(json.dumps({"rowwise": [64, 8], "colwise": [32, 2, "split"], "tiles_warps": 8}))
     assert full == {"rowwise": (64, 8, ""), "colwise": (32, 2, "split"), "tiles_warps": 8}
 
 
@@ -44,15 +44,15 @@ def test_parse_launch_accepts_each_key_alone_and_all_together() -> None:
 )
 def test_parse_launch_names_what_is_wrong(text: str, needle: str) -> None:
     with pytest.raises(ValueError, match="FP8RL_QUANT_LAUNCH") as e:
-        kernels.parse_launch(text)
+        launch_config.parse_launch(text)
     assert needle in str(e.value)
 
 
 def _launch_in_fresh_process(value: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != kernels.LAUNCH_ENV}
+    env = {k: v for k, v in os.environ.items() if k != launch_config.LAUNCH_ENV}
     if value is not None:
-        env[kernels.LAUNCH_ENV] = value
-    code = "import json; from fp8rl.quant import kernels; print(json.dumps(kernels.launch_now()))"
+        env[launch_config.LAUNCH_ENV] = value
+    code = "import json; from fp8rl.quant import launch_config; print(json.dumps(launch_config.launch_now()))"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -67,14 +67,18 @@ def test_the_environment_variable_sets_the_launch_of_a_new_process_and_a_bad_one
 
 
 def test_set_launch_changes_what_quantize_groups_uses_and_launch_now_reports_it() -> None:
-    before = kernels.launch_now()
+    before = launch_config.launch_now()
     try:
-        kernels.set_launch({"rowwise": (16, 2, ""), "colwise": (128, 16, "fused")})
-        assert kernels.GROUPS_ROWWISE_CONFIG == (16, 2, "") and kernels.GROUPS_COLWISE_CONFIG == (128, 16, "fused")
-        assert kernels.launch_now()["colwise"] == [128, 16, "fused"]
+        launch_config.set_launch({"rowwise": (16, 2, ""), "colwise": (128, 16, "fused")})
+        assert launch_config.GROUPS_ROWWISE_CONFIG == (16, 2, "") and launch_config.GROUPS_COLWISE_CONFIG == (
+            128,
+            16,
+            "fused",
+        )
+        assert launch_config.launch_now()["colwise"] == [128, 16, "fused"]
     finally:
-        kernels.set_launch(kernels.launch_from(before))
-    assert kernels.launch_now() == before
+        launch_config.set_launch(launch_config.launch_from(before))
+    assert launch_config.launch_now() == before
 
 
 def test_every_sweep_candidate_compiles_for_sm90() -> None:
