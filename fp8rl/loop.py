@@ -268,6 +268,29 @@ def validate_inputs(cfg: RunConfig) -> None:
     reward_for(cfg)
 
 
+def step_sampling(cfg: RunConfig, step: int) -> SamplingParams:
+    """``cfg.sampling`` for ``step``: a seed of its own each step (the engines derive one per request from it)."""
+    s = cfg.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        seed=cfg.seed * 1_000_003 + step,
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def recalibrate_kv(cfg: RunConfig, parts: Parts, batch: SequenceBatch) -> dict[str, float]:
+    """FP8 KV cache: scales for the new weights, from the trainer's activations on (a budget of) this batch; its
+    metrics, or nothing where the cache has no scales to calibrate."""
+    rows = calibration_rows(batch.attention_mask, cfg.rollout.kv_calibration_tokens)
+    kv = parts.calibrate_kv(batch.slice(rows))
+    if kv and rows.step is not None:
+        kv["kv/calibration_tokens"] = float(batch.attention_mask[rows].sum())
+    return kv
+
+
 def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) -> dict[str, float]:
     """One RL step (module docstring, 1-5); returns its metrics."""
     tok, engine, trainer = parts.tok, parts.engine, parts.trainer
@@ -275,15 +298,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     t0 = time.perf_counter()
     items = [e for e in examples for _ in range(g)]
     prompts = prompt_format(cfg).encode_all(tok, items)
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_p=cfg.sampling.top_p,
-        top_k=cfg.sampling.top_k,
-        max_tokens=cfg.sampling.max_tokens,
-        seed=cfg.seed * 1_000_003 + step,
-        ignore_eos=cfg.sampling.ignore_eos,
-    )
-    rollout = engine.generate(prompts, sampling)
+    rollout = engine.generate(prompts, step_sampling(cfg, step))
     t1 = time.perf_counter()
     texts = decode_responses(tok, rollout)
     scored = reward_for(cfg).score(texts, items)
@@ -304,11 +319,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     t3 = time.perf_counter()
     stats = parts.push_weights(step)
     t_pushed = time.perf_counter()
-    # FP8 KV cache: scales for the new weights, from the trainer's activations on (a budget of) this batch
-    kv_rows = calibration_rows(batch.attention_mask, cfg.rollout.kv_calibration_tokens)
-    kv = parts.calibrate_kv(batch.slice(kv_rows))
-    if kv and kv_rows.step is not None:
-        kv["kv/calibration_tokens"] = float(batch.attention_mask[kv_rows].sum())
+    kv = recalibrate_kv(cfg, parts, batch)
     t4 = time.perf_counter()
     tokens = float(mask.sum())
     freed = getattr(engine, "sleep_freed_bytes", None)  # colocated vLLM on Ray: what sleeping gave to training

@@ -67,6 +67,15 @@ def policy_batch_totals(loss_mask: torch.Tensor) -> tuple[float, float]:
     return float(loss_mask.sum().clamp(min=1)), float((loss_mask.sum(-1) > 0).sum().clamp(min=1))
 
 
+def micro_batch_weight(mb_mask: torch.Tensor, loss_agg: str, totals: tuple[float, float]) -> float:
+    """The weight of a micro-batch's loss in the batch's: its valid tokens over the batch's (``token-mean``) or its
+    valid sequences over the batch's (``seq-mean-token-mean``, each sequence's tokens averaged within the loss),
+    so the weighted micro-batch losses sum to the loss of the whole batch (``totals``: ``policy_batch_totals``)."""
+    if loss_agg == "token-mean":
+        return float(mb_mask.sum()) / totals[0]
+    return float((mb_mask.sum(-1) > 0).sum()) / totals[1]
+
+
 @dataclass(frozen=True)
 class MicroBatcher:
     """The trainer's micro-batching (``TrainerOptions``' ``micro_batch_size`` / ``micro_batch_tokens``)."""

@@ -37,7 +37,7 @@ from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossInput, policy_loss_stats, stats_row
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
-from fp8rl.train.batches import MicroBatcher, SequenceBatch
+from fp8rl.train.batches import MicroBatcher, SequenceBatch, micro_batch_weight
 from fp8rl.train.batches import build_batch as build_batch  # re-exported: the trainer's callers build batches
 from fp8rl.train.batches import policy_batch_totals as policy_batch_totals
 from fp8rl.train.compiled import compile_elementwise
@@ -332,9 +332,7 @@ class TorchTrainer:
         batch all ranks share, so its weighted loss and metrics are its exact part of the global
         ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
         """
-        if totals is None:
-            totals = policy_batch_totals(loss_mask)
-        total_tokens, total_seqs = totals
+        totals = totals or policy_batch_totals(loss_mask)
         # the metrics are summed on the device and read back once, after the optimizer step: reading a value per
         # micro-batch would make the host wait for that micro-batch's forward or backward, and the GPU then idles
         # while the host prepares and launches the next one (what FP8's shorter GEMMs expose)
@@ -357,10 +355,7 @@ class TorchTrainer:
                 is_weights=None if is_weights is None else to_device(is_weights[sl], self.device),
             )
             loss, stats = policy_loss_stats(inp, loss_cfg)
-            if loss_cfg.loss_agg == "token-mean":
-                weight = float(mb_mask.sum()) / total_tokens
-            else:
-                weight = float((mb_mask.sum(-1) > 0).sum()) / total_seqs
+            weight = micro_batch_weight(mb_mask, loss_cfg.loss_agg, totals)
             (loss * weight).backward()
             self.optimizer.accumulate()
             row = stats_row(stats) * weight

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.train.batches import SequenceBatch, build_batch
+from fp8rl.train.batches import SequenceBatch, build_batch, micro_batch_weight, policy_batch_totals
 from fp8rl.train.model_inputs import causal_padding_mask, prepares_masks
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
@@ -128,3 +128,17 @@ def test_a_backend_sets_the_context_of_its_checkpointed_layers_recompute(tiny_mo
     assert events == ["first"] * layers
     logits.float().square().mean().backward()
     assert events == ["first"] * layers + ["recompute"] * layers
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_weights_sum_to_one_over_the_batch(loss_agg: str) -> None:
+    """Any split of a batch into micro-batches weighs their losses so they add up to the whole batch's: token-mean
+    by valid tokens, seq-mean-token-mean by sequences with a valid token (an all-masked row counts in neither)."""
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
+    totals = policy_batch_totals(mask)
+    assert totals == (10.0, 4.0)
+    for split in ([slice(0, 5)], [slice(0, 2), slice(2, 5)], [slice(i, i + 1) for i in range(5)]):
+        weights = [micro_batch_weight(mask[s], loss_agg, totals) for s in split]
+        assert sum(weights) == pytest.approx(1.0)
+    expected = 3 / 10 if loss_agg == "token-mean" else 1 / 4
+    assert micro_batch_weight(mask[:2], loss_agg, totals) == pytest.approx(expected)
