@@ -114,17 +114,9 @@ def eager_samples(fn: Callable[[], object], reps: int, warmup: int = 5) -> list[
 
 
 def make_graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compile / autotune / handle creation outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
+    from fp8rl.bench.timing import capture_graph
+
+    return capture_graph(fn, calls, warmup=3)
 
 
 def graph_samples(graph: torch.cuda.CUDAGraph, calls: int, reps: int) -> list[float]:

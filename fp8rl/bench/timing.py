@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
@@ -37,19 +38,25 @@ def event_samples_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> li
 def gpu_time_ms(fn: Callable[[], object], calls: int = 10, reps: int = 10) -> float:
     """Median device milliseconds per call of ``fn``, with no host time in it: ``calls`` calls captured
     in a CUDA graph and replayed (the kernels' own time, for the bandwidth roofline)."""
+    return time_ms(capture_graph(fn, calls, warmup=2).replay, warmup=2, reps=reps) / calls
+
+
+def capture_graph(fn: Callable[[], object], calls: int, warmup: int) -> Any:
+    """A ``torch.cuda.CUDAGraph`` of ``calls`` calls of ``fn``, after ``warmup`` calls on a side stream (compiling,
+    autotuning and handle creation happen outside the capture)."""
     import torch
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_ms(graph.replay, warmup=2, reps=reps) / calls
+    return graph
 
 
 def back_to_back_ms(fn: Callable[[], object], calls: int = 20) -> tuple[float, float]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fp8rl.errors import UserError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(UserError, ValueError):
@@ -38,3 +40,11 @@ def read_yaml(path: Path, mapping_of: str | None = None) -> Any:
     if mapping_of is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: {mapping_of}, got {type(data).__name__}")
     return data
+
+
+def validated(model: type[M], data: Any, source: str) -> M:
+    """``model`` validated from ``data``; a ``ConfigError`` naming ``source`` and each invalid field otherwise."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_errors(e, source)) from None

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from fp8rl.config.base import ConfigError, Strict, format_validation_errors, read_yaml
+from fp8rl.config.base import ConfigError, Strict, read_yaml, validated
 
 if TYPE_CHECKING:
     from fp8rl.quant import QuantSpec
@@ -146,10 +146,7 @@ def vllm_recipe_problem(recipe: Recipe) -> str | None:
 
 
 def parse_recipe(data: Any, source: str = "recipe") -> Recipe:
-    try:
-        return Recipe.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_errors(e, source)) from None
+    return validated(Recipe, data, source)
 
 
 def load_recipe(name_or_path: str) -> Recipe:

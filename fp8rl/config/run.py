@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from fp8rl.config.base import ConfigError, Strict, format_validation_errors, read_yaml
+from fp8rl.config.base import ConfigError, Strict, read_yaml, validated
 from fp8rl.config.recipe import Recipe, vllm_recipe_problem
 from fp8rl.config.rollout import RolloutConfig, rollout_recipe
 from fp8rl.config.task import ArithmeticTaskConfig, ExactMatchRewardConfig, RewardConfig, TaskConfig
@@ -137,7 +137,4 @@ def load_run_config_data(path: str | Path) -> dict[str, Any]:
 
 
 def parse_run_config(data: Any, source: str = "config") -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(format_validation_errors(e, source)) from None
+    return validated(RunConfig, data, source)
