@@ -175,6 +175,11 @@ class VLLMRolloutEngine:
         self.rollout = rollout or RolloutConfig()
         # the recipe as served: rollout.fp8_scaling 'channel' makes its quant per-channel ('row')
         self.recipe = recipe = rollout_recipe(recipe, self.rollout)
+        # what vLLM would refuse fails here, before a checkpoint is converted for it
+        vllm = import_vllm()
+        self._vllm = vllm
+        check_engine_kwargs(self.rollout, vllm)
+        check_attention_backend(self.rollout.vllm_attention_backend(fp8_cache=recipe.kv_cache == "fp8"))
         self.spec = recipe.quant.spec()
         self.checkpoint = serving_checkpoint(model_dir, recipe, work_dir)
         self.model_config = read_model_config(self.checkpoint)
@@ -198,12 +203,7 @@ class VLLMRolloutEngine:
         self.sleep_mode = sleep_mode
         self.sleep_freed_bytes: int | None = None  # device memory the last sleep() gave back
         self.kv_scales: dict[int, KVScales] = {}
-        vllm = import_vllm()
-        self._vllm = vllm
-        check_engine_kwargs(self.rollout, vllm)
-        kwargs = vllm_engine_kwargs(self.checkpoint, recipe, self.rollout, seed, sleep_mode)
-        check_attention_backend(kwargs.get("attention_backend"))
-        self.llm = vllm.LLM(**kwargs)
+        self.llm = vllm.LLM(**vllm_engine_kwargs(self.checkpoint, recipe, self.rollout, seed, sleep_mode))
         self.tp_rank = 0  # this process's rank in a tensor-parallel engine: the part vLLM's loaders cut for it
         if self.tp > 1:
             from vllm.distributed import get_tensor_model_parallel_rank

@@ -408,10 +408,14 @@ def test_vllm_multiprocessing_is_refused_before_importing_vllm(monkeypatch: pyte
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_missing_vllm_names_the_field(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """vLLM is absent on the CPU machines; this is the error users get there."""
-    cfg = parse_run_config({"recipe": load_recipe("bf16"), "rollout": {"engine": "vllm"}, "work_dir": str(tmp_path)})
+    """vLLM is absent on the CPU machines; this is the error users get there, before an FP8 recipe's checkpoint is
+    converted for the engine."""
+    cfg = parse_run_config(
+        {"recipe": load_recipe("fp8-rollout"), "rollout": {"engine": "vllm"}, "work_dir": str(tmp_path)}
+    )
     with pytest.raises(UserError, match="rollout.engine 'vllm' needs vLLM"):
         ve.VLLMRolloutEngine.from_run_config(cfg, tiny_models["tiny"], "cuda")
+    assert not list(tmp_path.iterdir()), "nothing written for an engine that cannot start"
     with pytest.raises(UserError, match="rollout.engine 'vllm' runs on the first visible CUDA device"):
         ve.VLLMRolloutEngine.from_run_config(cfg, tiny_models["tiny"], "cpu")
 
