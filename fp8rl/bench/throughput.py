@@ -179,6 +179,18 @@ def device_name(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
+def step_medians(timed: list[dict[str, float]]) -> dict[str, Any]:
+    """The timed steps' medians as ``ThroughputResult`` fields: every ``STEP_METRICS`` key (0 where a step lacks it),
+    each ``OPTIONAL_STEP_METRICS`` key that every step has."""
+    medians: dict[str, Any] = {
+        field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()
+    }
+    for key, field in OPTIONAL_STEP_METRICS.items():
+        if all(key in m for m in timed):
+            medians[field] = statistics.median(m[key] for m in timed)
+    return medians
+
+
 def benchmark_recipe(
     cfg: RunConfig,
     model_dir: str | Path,
@@ -219,12 +231,7 @@ def benchmark_recipe(
             _close(parts)
         finally:
             _stop_ray(started_ray)
-    medians: dict[str, Any] = {
-        field: statistics.median(m.get(key, 0.0) for m in timed) for key, field in STEP_METRICS.items()
-    }
-    for key, field in OPTIONAL_STEP_METRICS.items():
-        if all(key in m for m in timed):
-            medians[field] = statistics.median(m[key] for m in timed)
+    medians = step_medians(timed)
     if cfg.ray is None:
         peak = local_peak  # of the timed steps (read before a profiled step)
     else:

@@ -454,3 +454,15 @@ def test_a_failed_profiled_step_keeps_the_timed_numbers_and_exits_non_zero(
     captured = capsys.readouterr()
     assert "the profiled step failed (the timed steps are kept)" in captured.out
     assert "--profile-train: the profiled step of bf16 failed: RuntimeError" in captured.err
+
+
+def test_step_medians_keep_an_optional_metric_only_where_every_step_has_it() -> None:
+    steps = [
+        {"time/step_s": 3.0, "time/kv_calibrate_s": 0.2, "train/cuda_alloc_retries": 1.0},
+        {"time/step_s": 1.0, "time/kv_calibrate_s": 0.4},
+        {"time/step_s": 2.0, "time/kv_calibrate_s": 0.3},
+    ]
+    medians = throughput.step_medians(steps)
+    assert medians["step_s"] == 2.0 and medians["kv_calibrate_s"] == 0.3
+    assert "cuda_alloc_retries" not in medians  # one step reported it: not a median of the timed steps
+    assert medians["sync_s"] == 0.0  # a step metric no step reported counts as 0
