@@ -40,7 +40,7 @@ import argparse
 import gc
 import json
 import os
-import re
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -276,9 +276,28 @@ def measure(e: Any, variant: str, args: Any, prompts_ids: list[list[int]], entry
 VARIANTS = ("bf16", "fp8", "fp8-kv", "fp8-row", "fp8-row-kv", "fp8-row-kvh")
 
 
+def parse_variant(variant: str) -> tuple[str, str | None, dict[str, Any]]:
+    """``NAME[@BACKEND][+KEY=VALUE...]`` -> (NAME, BACKEND or None, {KEY: VALUE as YAML}); ``ValueError`` for a
+    ``+`` part without ``=``."""
+    import yaml
+
+    name, *extra = variant.split("+")
+    base, _, backend = name.partition("@")
+    if any("=" not in e for e in extra):
+        raise ValueError(f"{variant}: each +part is KEY=VALUE")
+    return base, backend or None, {k: yaml.safe_load(v) for k, _, v in (e.partition("=") for e in extra)}
+
+
 def variant_base(variant: str) -> str:
     """``NAME`` of a variant ``NAME[@BACKEND][+KEY=VALUE...]``."""
-    return re.split(r"[@+]", variant, maxsplit=1)[0]
+    return parse_variant(variant)[0]
+
+
+def known_variant(variant: str) -> bool:
+    try:
+        return variant_base(variant) in VARIANTS
+    except ValueError:
+        return False
 
 
 def variant_settings(variant: str, rollout: Any) -> tuple[Any, Any]:
@@ -286,20 +305,16 @@ def variant_settings(variant: str, rollout: Any) -> tuple[Any, Any]:
     -kvh: with vLLM's per-token-head scales) and rollout config (fp8-row: ``fp8_scaling: channel``, per-channel
     weights the engine converts from BF16; ``@BACKEND``: vLLM's attention backend, e.g. ``fp8-row-kv@TRITON_ATTN``;
     each ``+KEY=VALUE``: a vLLM engine argument of ``rollout.engine_kwargs``, e.g. ``bf16+block_size=32``)."""
-    import yaml
-
     from fp8rl.config import RolloutConfig, load_recipe
 
-    name, *extra = variant.split("+")
-    base, _, backend = name.partition("@")
-    engine_kwargs = {k: yaml.safe_load(v) for k, _, v in (e.partition("=") for e in extra)}
+    base, backend, engine_kwargs = parse_variant(variant)
     recipe = load_recipe("bf16" if base == "bf16" else "fp8-rollout")
     if base.endswith(("-kv", "-kvh")):
         recipe = recipe.model_copy(update={"kv_cache": "fp8"})
     update = {
         "fp8_scaling": "channel" if base.startswith("fp8-row") else "recipe",
         "kv_scaling": "token_head" if base.endswith("-kvh") else "tensor",
-        "attention_backend": backend or None,
+        "attention_backend": backend,
         "engine_kwargs": rollout.engine_kwargs | engine_kwargs,
     }
     return recipe, RolloutConfig.model_validate(rollout.model_dump() | update)
@@ -356,7 +371,7 @@ def interleaved(args: Any, results: dict[str, Any], rollout: Any, dirs: tuple[An
         results["paired_speedup"] = {
             "baseline": names[0],
             "per_round": rounds,
-            "median": {v: sorted(x[v] for x in rounds)[len(rounds) // 2] for v in names},
+            "median": {v: statistics.median(x[v] for x in rounds) for v in names},
         }
         print(f"paired speedup vs {names[0]} (median of {len(rounds)}): {results['paired_speedup']['median']}")
         save()
@@ -402,8 +417,7 @@ def parse_args() -> argparse.Namespace:
     if args.interleave and not args.engine_process:
         p.error("--interleave needs --engine-process (two in-process engines cannot share a process)")
     args.variants = args.variants.split(",")
-    unknown = [v for v in args.variants if variant_base(v) not in VARIANTS]
-    unknown += [v for v in args.variants if any("=" not in e for e in v.split("+")[1:])]
+    unknown = [v for v in args.variants if not known_variant(v)]
     if unknown:
         p.error(f"--variants: unknown {unknown}; expected some of {VARIANTS}")
     return args

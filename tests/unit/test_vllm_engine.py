@@ -222,6 +222,17 @@ def test_engine_kwargs_pass_further_vllm_arguments_but_not_the_ones_fp8rl_sets()
         parse_run_config({"recipe": "bf16", "rollout": {"engine_kwargs": {"quantization": "fp8"}}})
 
 
+def test_every_engine_argument_fp8rl_sets_is_one_engine_kwargs_refuses() -> None:
+    """The refused names cover what ``vllm_engine_kwargs`` sets in every branch (an FP8 KV cache scaled per token
+    and head, tensor parallelism, a model length), so a user's value can never be silently overwritten."""
+    from fp8rl.config import ENGINE_KWARGS_SET_BY_FP8RL
+
+    kv = load_recipe("fp8-e2e").model_copy(update={"kv_cache": "fp8"})
+    every = RolloutConfig(kv_scaling="token_head", tensor_parallel_size=2, max_model_len=256)
+    set_keys = set(ve.vllm_engine_kwargs("/c", kv, every, sleep_mode=True))
+    assert set_keys <= set(ENGINE_KWARGS_SET_BY_FP8RL), set_keys - set(ENGINE_KWARGS_SET_BY_FP8RL)
+
+
 def test_engine_kwargs_unknown_to_vllm_are_refused_naming_the_key() -> None:
     """vLLM is not importable on CPU: a stand-in module whose ``EngineArgs`` dataclass has two of vLLM's fields
     (the GPU test ``test_fp8rl_sets_real_engine_arguments`` checks the real one)."""
