@@ -43,8 +43,10 @@ images:
 	scripts/container_tools.sh
 	images/build.sh --local-base $(IMAGES)
 
+# --durations: the slowest tests, printed by every run (what CI's time goes to)
+PYTEST_ARGS ?= --durations=25
 test: lint typecheck k8s-tools
-	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python -m pytest
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(WORK) dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
