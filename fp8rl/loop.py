@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig, rollout_recipe
 from fp8rl.evaluation import decode_responses, evaluate
+from fp8rl.fp8_coverage import fp8_linear_counts
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import grpo_advantages, mismatch_correction, mismatch_metrics
@@ -91,6 +92,8 @@ class Parts(Protocol):
 
     tok: PreTrainedTokenizerBase
     bf16_bytes: int
+    # how many linears the engine and the trainer hold in FP8 (fp8rl.fp8_coverage), checked before the first step
+    fp8_linears: dict[str, int]
 
     @property
     def engine(self) -> RolloutGenerator: ...
@@ -142,6 +145,7 @@ class LocalParts:
     trainer: TorchTrainer
     sync: InProcessWeightSync
     bf16_bytes: int
+    fp8_linears: dict[str, int] = field(default_factory=dict)  # fp8rl.fp8_coverage.fp8_linear_counts
 
     def push_weights(self, version: int) -> SyncStats:
         return self.sync.push(self.trainer.hf_state_dict(), version=version)
@@ -215,9 +219,10 @@ def build_parts(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalPart
     engine = build_engine(cfg, model_dir, device)
     trainer = build_trainer(cfg, model_dir, device)
     names = {m + ".weight" for m in engine.fp8_modules}
+    fp8 = fp8_linear_counts(cfg.recipe, len(engine.fp8_modules), len(trainer.fp8_modules))
     sync = InProcessWeightSync(engine, names, rollout_quant_spec(cfg), verify=cfg.verify_sync)
     bf16_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
-    return LocalParts(load_tokenizer(model_dir), engine, trainer, sync, bf16_bytes)
+    return LocalParts(load_tokenizer(model_dir), engine, trainer, sync, bf16_bytes, fp8)
 
 
 def task_examples(cfg: RunConfig, train_size: int = 20_000) -> tuple[list[Example], list[Example]]:
@@ -416,6 +421,9 @@ def run_rl(
     rng = random.Random(cfg.seed)
     name = cfg.recipe.name
     parts = parts or build_parts(cfg, model_dir, device)
+    sink.log_params(parts.fp8_linears)
+    log(f"[{name}] FP8 linears: {parts.fp8_linears.get('fp8_linears_engine', 0)} in the rollout engine, "
+        f"{parts.fp8_linears.get('fp8_linears_trainer', 0)} in the trainer")  # fmt: skip
     train_pool, heldout = task_examples(cfg)
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None and cfg.checkpoint_every else None
     out = MetricsBuffer(sink, buffered=ckpt is not None)

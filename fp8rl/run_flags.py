@@ -48,6 +48,39 @@ def apply_ray_flags(base: dict[str, Any], args: argparse.Namespace) -> None:
         base["ray"] = {**(base.get("ray") or {}), **{k: v for k, v in ray_flags.items() if v is not None}}
 
 
+class _RecipeList(argparse.Action):
+    """``--recipes A,B`` and ``--recipe A --recipe B`` fill one list, in the order given."""
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
+        names = [n for n in str(values).split(",") if n] if option_string == "--recipes" else [str(values)]
+        if not names:
+            parser.error(f"{option_string}: name at least one recipe")
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), *names])
+
+
+def add_recipes_argument(p: argparse.ArgumentParser, default: str) -> None:
+    """The recipes of a comparison: ``--recipes A,B`` (canonical, like ``--seeds``) or ``--recipe A`` repeated (the
+    same list); ``args.recipes`` is ``None`` when neither is given (the caller's default, named in the help)."""
+    helptext = f"recipes to run, comma-separated: bf16 | fp8-rollout | fp8-e2e | recipe.yaml (default: {default})"
+    p.add_argument("--recipes", action=_RecipeList, dest="recipes", default=None, metavar="R[,R...]", help=helptext)
+    p.add_argument(
+        "--recipe", action=_RecipeList, dest="recipes", metavar="R", help="one recipe; repeatable (same as --recipes)"
+    )
+
+
+def add_device_argument(p: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """``--device auto|cpu|cuda`` (fp8rl.devices): ``auto`` is CUDA when a CUDA device is visible."""
+    from fp8rl.devices import DEVICE_CHOICES
+
+    p.add_argument(
+        "--device", choices=DEVICE_CHOICES, default=default,
+        help="where this process computes: auto (CUDA when present, else the CPU), cpu or cuda"
+        + (" (default: auto)" if default else " (default: the config's device, auto)"),
+    )  # fmt: skip
+
+
 def add_set_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set", action="append", default=None, metavar="KEY=VALUE",

@@ -6,7 +6,7 @@ from kfp import dsl
 from kfp.dsl import Markdown
 
 from components.benchmark import benchmark
-from fp8rl.config import BUILTIN_RECIPES
+from fp8rl.config import CORE_RECIPES
 from pipelines import stages
 from pipelines.cluster import (
     CLUSTER_WORK_DIR,
@@ -26,7 +26,7 @@ def build(parallelism: int = 0) -> Any:
 
     @dsl.pipeline(name=NAME, description="RL-step throughput per FP8 precision recipe: rollout, train, weight sync.")
     def fp8_benchmark(
-        recipes: list = list(BUILTIN_RECIPES),  # noqa: B006
+        recipes: list = list(CORE_RECIPES),  # noqa: B006
         model_source: str = stages.DEFAULT_MODEL_SOURCE,
         seed: int = 0,
         bench_steps: int = 5,

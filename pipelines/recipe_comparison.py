@@ -6,7 +6,7 @@ from typing import Any
 from kfp import dsl
 from kfp.dsl import Markdown
 
-from fp8rl.config import BUILTIN_RECIPES
+from fp8rl.config import CORE_RECIPES
 from pipelines import stages
 from pipelines.cluster import (
     CLUSTER_WORK_DIR,
@@ -25,7 +25,7 @@ def build(parallelism: int = 0) -> Any:
 
     @dsl.pipeline(name=NAME, description="Compare FP8 precision recipes end to end: accuracy, mismatch, throughput.")
     def recipe_comparison(
-        recipes: list = list(BUILTIN_RECIPES),  # noqa: B006
+        recipes: list = list(CORE_RECIPES),  # noqa: B006
         model_source: str = stages.DEFAULT_MODEL_SOURCE,
         seed: int = 0,
         sft_steps: int = stages.DEFAULT_SFT_STEPS,

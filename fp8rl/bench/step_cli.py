@@ -8,32 +8,60 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
+from fp8rl.bench.presets import get_preset, preset_config
 from fp8rl.errors import UserError
-from fp8rl.run_flags import add_ray_arguments, add_set_argument, apply_overrides, apply_ray_flags
+from fp8rl.run_flags import (
+    add_device_argument,
+    add_ray_arguments,
+    add_recipes_argument,
+    add_set_argument,
+    apply_overrides,
+    apply_ray_flags,
+)
+
+DEFAULT_RECIPES = "bf16,fp8-rollout,fp8-e2e"
+# the sizes without --preset (a preset brings its own; a flag given wins over both)
+DEFAULTS = {"prompts": 32, "samples": 8, "max_tokens": 1024, "steps": 2, "warmup": 1}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``fp8rl bench step``'s arguments (``fp8rl.cli`` adds the sub-command)."""
+    p.add_argument(
+        "--preset", default=None, metavar="NAME",
+        help="a named layout (fp8rl.bench.presets: llama-8b-h200x2 | llama-8b-h100x2 | llama-1b-1gpu): its shape, "
+        "recipes, batch and run-config settings; --config, the flags below and --set override it",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="a checkpoint directory (or use --shape)")
     p.add_argument(
         "--shape", default=None, help="random weights of a shape: tiny | small | llama-1b | llama-3b | llama-8b"
     )
-    p.add_argument("--recipes", default="bf16,fp8-rollout,fp8-e2e", help="comma-separated recipe names or files")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="responses per prompt")
-    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per response (EOS ignored)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per recipe")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per recipe before them")
+    add_recipes_argument(p, DEFAULT_RECIPES)
+    p.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default {DEFAULTS['prompts']})")
+    p.add_argument("--samples", type=int, default=None, help=f"responses per prompt (default {DEFAULTS['samples']})")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per response, EOS ignored (default {DEFAULTS['max_tokens']})",
+    )
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per recipe (default {DEFAULTS['steps']})")
+    p.add_argument(
+        "--warmup", type=int, default=None, help=f"untimed steps per recipe before them (default {DEFAULTS['warmup']})"
+    )
     p.add_argument(
         "--micro-batch-tokens", type=int, default=None,
         help="trainer micro-batch size in padded tokens (default: the config's optim.micro_batch_tokens, else 16384)",
     )  # fmt: skip
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    add_device_argument(p)
     p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
-    p.add_argument("--work-dir", default=None)
-    p.add_argument("--out", default=None, help="directory for bench_step.json, .md and .png (default WORK/bench-step)")
-    p.add_argument("--experiment", default="fp8rl-bench")
+    p.add_argument("--work-dir", default=None, help="models, runs and the MLflow store (default: the config's, work)")
+    p.add_argument(
+        "--output-dir", "--out", dest="out", default=None,
+        help="directory for bench_step.json, .md and .png (default WORK/bench-step; --out is the same)",
+    )  # fmt: skip
+    p.add_argument("--experiment", default="fp8rl-bench", help="MLflow experiment (default: fp8rl-bench)")
     p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
     add_ray_arguments(p)
     add_set_argument(p)
@@ -56,6 +84,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def resolve_preset(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sizes (prompts, samples, ...) and the run-config fields of ``args``: ``--preset``'s, a ``--config`` file's
+    over them, the flags over both.  Sets ``args.shape`` from the preset when neither --model nor --shape is given."""
+    from fp8rl.config import load_run_config_data
+
+    config = load_run_config_data(args.config) if args.config else {}
+    config.pop("recipe", None)
+    sizes: dict[str, Any] = dict(DEFAULTS)
+    if args.preset:
+        preset = get_preset(args.preset)
+        sizes.update(preset.sizes())
+        config = preset_config(preset, config)
+        if args.model is None and args.shape is None:
+            args.shape = preset.shape
+    sizes.update({k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None})
+    return sizes, config
+
+
 def main_with_args(args: argparse.Namespace) -> int:
     """``fp8rl bench step``: every recipe's timed steps, the table, JSON, Markdown, plot and MLflow comparison."""
     from fp8rl.bench.step import (
@@ -68,24 +114,23 @@ def main_with_args(args: argparse.Namespace) -> int:
         step_config,
         write_outputs,
     )  # fmt: skip
-    from fp8rl.bench.throughput import resolve_device
-    from fp8rl.config import load_run_config_data
+    from fp8rl.devices import resolve_device
 
+    sizes, base = resolve_preset(args)
     if (args.model is None) == (args.shape is None):
-        raise UserError("bench step: give exactly one of --model DIR or --shape NAME")
-    base = load_run_config_data(args.config) if args.config else {}
-    base.pop("recipe", None)
+        raise UserError("bench step: give exactly one of --model DIR or --shape NAME (or a --preset)")
     apply_ray_flags(base, args)
     apply_overrides(base, args.set)
     work = args.work_dir or base.get("work_dir", "work")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, "--device")
     bench = StepBench(
-        recipes=[r for r in args.recipes.split(",") if r], prompts=args.prompts, samples=args.samples,
-        max_tokens=args.max_tokens, steps=args.steps, warmup=args.warmup, device=device,
-        micro_batch_tokens=args.micro_batch_tokens, verify_sync=args.verify_sync, profile_train=args.profile_train,
+        recipes=args.recipes or sizes.get("recipes") or DEFAULT_RECIPES.split(","), prompts=sizes["prompts"],
+        samples=sizes["samples"], max_tokens=sizes["max_tokens"], steps=sizes["steps"], warmup=sizes["warmup"],
+        device=device, micro_batch_tokens=args.micro_batch_tokens or sizes.get("micro_batch_tokens"),
+        verify_sync=args.verify_sync, profile_train=args.profile_train,
     )  # fmt: skip
-    if not bench.recipes:
-        raise UserError("--recipes: name at least one recipe")
+    if args.preset:
+        print(f"bench step: preset {args.preset}: {get_preset(args.preset).description}", flush=True)
     if args.shape:
         print(f"bench step: random {args.shape} weights -> {Path(work) / 'bench-models' / args.shape}", flush=True)
         model = make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)

@@ -157,6 +157,49 @@ def partial_tile_modules(
     return dict(sorted(out.items()))
 
 
+# A conversion that leaves more than this share of the eligible decoder-linear weights (by element count) in their
+# source dtype is refused unless asked for (``allow_unquantized``): its output would be called FP8 and be the source.
+MIN_FP8_FRACTION = 0.5
+
+
+def check_fp8_coverage(
+    shapes: dict[str, list[int]], opts: ConvertOptions, kept: set[int], partial: dict[str, dict[str, Any]]
+) -> tuple[int, int]:
+    """``(quantized, eligible)`` decoder linears of a planned conversion; a :class:`CheckpointError` when fewer than
+    ``MIN_FP8_FRACTION`` of the eligible weights' elements would be FP8, naming the options that would quantize them.
+
+    Eligible: the 2-D decoder linears outside the ``kept`` BF16 layers; quantized: those not in ``partial``."""
+    eligible = {
+        m["module"]: shape
+        for name, shape in shapes.items()
+        if (m := DECODER_LINEAR.match(name)) and int(m["layer"]) not in kept and len(shape) == 2
+    }
+    elements = {module: int(shape[0]) * int(shape[1]) for module, shape in eligible.items()}
+    total = sum(elements.values())
+    fp8 = sum(n for module, n in elements.items() if module not in partial)
+    quantized = sum(1 for module in eligible if module not in partial)
+    if total and fp8 >= MIN_FP8_FRACTION * total:
+        return quantized, len(eligible)
+    br, bc = opts.weight_block
+    if not eligible:
+        why = "every decoder layer is kept in BF16 (bf16_first_layers / bf16_last_layers)"
+        fix = "keep fewer layers in BF16"
+    else:
+        why = (
+            f"{len(eligible) - quantized} of them are not whole {br}x{bc} tiles (or fused with one that is not), "
+            f"which vLLM's and transformers' block-FP8 loaders refuse, so they would stay in their source dtype"
+        )
+        fix = (
+            "use --granularity row (per-channel scales: any width), or --partial-tiles quantize (ceil-div tiles: "
+            "fp8rl's own engines read them, vLLM and transformers do not)"
+        )
+    raise CheckpointError(
+        f"this conversion would quantize {quantized} of {len(eligible)} eligible decoder linears "
+        f"({fp8 / total if total else 0.0:.0%} of their weights) with granularity={opts.granularity}: {why}. "
+        f"To quantize them, {fix}; --allow-unquantized writes the checkpoint anyway"
+    )
+
+
 def _validate_source(src: Path) -> dict[str, Any]:
     cfg = read_model_config(src)
     if "quantization_config" in cfg:
@@ -271,11 +314,14 @@ def convert_checkpoint(
     overwrite: bool = False,
     show_progress: bool = True,
     on_shard: Callable[[str], None] | None = None,
+    allow_unquantized: bool = False,
 ) -> ConversionReport:
     """Convert the HF checkpoint at ``src`` to an FP8 checkpoint at ``dst``.
 
     Raises :class:`CheckpointError` (or another :class:`fp8rl.errors.UserError`)
-    for bad input; ``dst`` is then left as it was.
+    for bad input; ``dst`` is then left as it was.  A conversion that would quantize less than
+    ``MIN_FP8_FRACTION`` of the eligible decoder-linear weights is refused before anything is written
+    (:func:`check_fp8_coverage`) unless ``allow_unquantized``.
     """
     opts = opts or ConvertOptions()
     spec = opts.spec()  # validates granularity / format / blocks
@@ -288,7 +334,10 @@ def convert_checkpoint(
     kept = opts.kept_layers(num_layers)
     headers = read_headers(src_path, layout.files)  # every input is checked before anything is written
     check_config_matches_weights(cfg, headers, src_path)
-    partial = partial_tile_modules({name: shape for name, (_, shape) in headers.items()}, opts, kept)
+    shapes = {name: shape for name, (_, shape) in headers.items()}
+    partial = partial_tile_modules(shapes, opts, kept)
+    if not allow_unquantized:
+        check_fp8_coverage(shapes, opts, kept, partial)
     n_tensors = len(headers)
 
     with atomic_directory(dst_path, overwrite=overwrite) as tmp:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from fp8rl.cluster.memory import merge_peaks
 from fp8rl.cluster.placement import bundles, names_of, place, start_actors
 from fp8rl.config import RayConfig, RunConfig, kv_scales_calibrated
 from fp8rl.errors import UserError
+from fp8rl.fp8_coverage import fp8_linear_counts
 from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant.launch_config import LAUNCH_ENV
@@ -63,6 +64,7 @@ class RayParts:
     calibrate_kv_scales: bool = False  # config.kv_scales_calibrated: calibrate_kv recalibrates the engines' scales
     ipc: bool = False  # RayConfig.sync "ipc": each rollout worker maps its trainer rank's packed payload
     sleep_after_sync: bool = True  # RayConfig.sleep_after_sync: False keeps colocated engines awake until generation
+    fp8_linears: dict[str, int] = field(default_factory=dict)  # fp8rl.fp8_coverage.fp8_linear_counts
 
     def calibrate_kv(self, batch: SequenceBatch) -> dict[str, float]:
         """FP8 KV cache: scales from trainer rank 0's policy (every rank's forward when sharded), written into
@@ -173,6 +175,8 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     fp8_names = calls.get(rollouts[0].fp8_weight_names.remote(), "rollout-0")
     pad = calls.get(rollouts[0].pad_token_id.remote(), "rollout-0")
     bf16_bytes = calls.get(trainers[0].bf16_bytes.remote(), "trainer-0")
+    trainer_fp8 = calls.get(trainers[0].fp8_module_count.remote(), "trainer-0")
+    fp8_linears = fp8_linear_counts(cfg.recipe, len(fp8_names), trainer_fp8)
     engine = RolloutGroup(
         rollouts, calls, rc.layout == "colocated", pad, 0, r_names, tp=cfg.rollout.tensor_parallel_size
     )
@@ -193,6 +197,7 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
         fp8_names, layout, kv_scales_calibrated(cfg.recipe, cfg.rollout), rc.sync == "ipc", rc.sleep_after_sync,
+        fp8_linears,
     )  # fmt: skip
 
 

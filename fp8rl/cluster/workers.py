@@ -253,6 +253,9 @@ class TrainerWorker(_PeakMemory):
         answer = self.trainer.kv_scales(batch, r.kv_scale_quantile, r.kv_scale_margin)
         return answer if self.rank == 0 else None
 
+    def fp8_module_count(self) -> int:
+        return len(self.trainer.fp8_modules)
+
     def bf16_bytes(self) -> int:
         return sum(p.numel() * 2 for p in self.trainer.model.parameters())  # a DTensor's numel is the full one
 

@@ -18,6 +18,7 @@ reward), ``rollout`` (the rollout engine), ``run`` (the run and its Ray section)
 from fp8rl.config.base import ConfigError, format_validation_errors, read_yaml
 from fp8rl.config.recipe import (
     BUILTIN_RECIPES,
+    CORE_RECIPES,
     RECIPE_DIR,
     Correction,
     MISCorrection,
@@ -50,6 +51,7 @@ from fp8rl.config.training import GRPOConfig, LossAgg, OptimConfig, SamplingConf
 
 __all__ = [
     "BUILTIN_RECIPES",
+    "CORE_RECIPES",
     "ENGINE_KWARGS_SET_BY_FP8RL",
     "RECIPE_DIR",
     "TOKEN_HEAD_ATTENTION",

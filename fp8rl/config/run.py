@@ -82,6 +82,9 @@ class RunConfig(Strict):
     verify_sync: bool = True
     # save the loop state every N steps (and at the end) when the run has a checkpoint dir; 0: never
     checkpoint_every: int = Field(0, ge=0)
+    # where the one-process loop runs: auto is CUDA when a CUDA device is visible, else the CPU (fp8rl.devices);
+    # Ray runs place their actors by ray.* instead
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     # None: the loop runs in this process; set: on Ray actors
     ray: RayConfig | None = None
     work_dir: str = "work"

@@ -194,7 +194,11 @@ def serving_checkpoint(model_dir: str | os.PathLike[str], recipe: Recipe, work_d
         # check_recipe_supported pinned the recipe to 128x128 block or per-channel scaling (and fmt is e4m3 only),
         # so the recipe's options are the ones vLLM loads
         try:
-            convert_checkpoint(src, dst, ConvertOptions.from_recipe(recipe), show_progress=False)
+            # partial tiles may leave few linears FP8: the engine says how many, and a run refuses none
+            # (fp8rl.fp8_coverage), so the conversion's own coverage check is not asked for here
+            convert_checkpoint(
+                src, dst, ConvertOptions.from_recipe(recipe), show_progress=False, allow_unquantized=True
+            )
         except (OutputExistsError, OSError):
             if not (dst / "config.json").is_file():  # not another worker that finished first
                 raise

@@ -23,6 +23,8 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    # the replicated reference runs in the test's process: not in one where vLLM was imported (tests/conftest.py)
+    pytest.mark.isolate_from_vllm,
 ]
 pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
 

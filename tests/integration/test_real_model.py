@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.checkpoint import ConvertOptions, convert_checkpoint
+from fp8rl.checkpoint import CheckpointError, ConvertOptions, convert_checkpoint
 from fp8rl.config import RunConfig, load_recipe
 from fp8rl.loop import run_rl
 from fp8rl.models.loading import load_tokenizer
@@ -42,7 +42,12 @@ def test_imported_model_chats_with_its_template(smollm2: Path) -> None:
 def test_converted_real_model_loads_in_transformers(smollm2: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    report = convert_checkpoint(smollm2, tmp_path / "fp8", ConvertOptions(), show_progress=False)
+    with pytest.raises(CheckpointError, match=r"would quantize 0 of 210 eligible decoder linears"):
+        convert_checkpoint(smollm2, tmp_path / "refused", ConvertOptions(), show_progress=False)
+    assert not (tmp_path / "refused").exists()
+    report = convert_checkpoint(
+        smollm2, tmp_path / "fp8", ConvertOptions(), show_progress=False, allow_unquantized=True
+    )
     # 576-wide inputs and 192-row k/v projections: no decoder linear is whole 128x128 tiles, so every one of the
     # 210 stays bf16 and is named, which is what lets transformers load the checkpoint at all
     assert len(report.kept_partial_tiles) == 30 * 7 and not report.tensors

@@ -230,7 +230,9 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_models: dict[str, Pa
 
 def test_partial_tiles_are_kept_in_bf16_by_default_and_named(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     dst = tmp_path / "fp8"
-    report = convert_checkpoint(tiny_models["tiny-odd"], dst, ConvertOptions(bf16_first_layers=1), show_progress=False)
+    report = convert_checkpoint(
+        tiny_models["tiny-odd"], dst, ConvertOptions(bf16_first_layers=1), show_progress=False, allow_unquantized=True
+    )
     src, out = all_tensors(tiny_models["tiny-odd"]), all_tensors(dst)
     qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     kept = {m["module"] for m in report.kept_partial_tiles}
@@ -294,10 +296,11 @@ def fp8_recipe(**quant: object) -> Recipe:
 
 @pytest.mark.parametrize("name", BUILTIN_RECIPES)
 def test_builtin_recipes_convert_to_128_block_e4m3(name: str) -> None:
-    # bf16's quant is the default; both FP8 recipes spell out block scaling, no pow2 scales, no BF16 layers
+    # bf16's quant is the default; both FP8 recipes spell out block scaling, no pow2 scales, no BF16 layers; the
+    # row recipes per-channel scaling, otherwise the same
     assert ConvertOptions.from_recipe(load_recipe(name)) == ConvertOptions(
-        granularity="block", pow2_scales=False, bf16_first_layers=0, bf16_last_layers=0,
-        weight_block=(128, 128), fmt="e4m3", partial_tiles="keep",
+        granularity="row" if name.startswith("fp8-e2e-row") else "block", pow2_scales=False, bf16_first_layers=0,
+        bf16_last_layers=0, weight_block=(128, 128), fmt="e4m3", partial_tiles="keep",
     )  # fmt: skip
 
 

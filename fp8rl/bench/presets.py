@@ -1,0 +1,114 @@
+"""Named layouts of ``fp8rl bench step --preset NAME``: the model shape, recipes, batch and run-config settings of a
+measured table, so that one command reproduces it.  ``--config``, the flags and ``--set`` still override any field
+(preset < --config < flags < --set).  docs/benchmarks.md gives each preset's last measurement.
+
+No YAML files: the settings are the product's, versioned with the code that they configure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fp8rl.errors import UserError
+
+# FSDP2 over two GPUs, a vLLM worker beside each rank (colocated, asleep while the trainer runs), CUDA IPC sync,
+# activations recomputed in the backward, the decoder's RMSNorms, SiLU gate and rotary embedding compiled.
+_TWO_GPU_COLOCATED: dict[str, Any] = {
+    "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.45, "enforce_eager": False, "max_model_len": 2048},
+    "optim": {"activation_checkpointing": True, "compile_elementwise": True},
+    "ray": {
+        "trainer_workers": 2, "rollout_workers": 2, "trainer_sharding": "fsdp", "layout": "colocated", "sync": "ipc",
+        "object_store_mb": 2048, "actor_timeout_s": 1800,
+    },
+}  # fmt: skip
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on ``base``, section by section (nested mappings merged, other values replaced)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@dataclass(frozen=True)
+class BenchPreset:
+    """One benchmark layout: what ``fp8rl bench step --preset`` runs unless a flag says otherwise."""
+
+    description: str
+    shape: str
+    recipes: tuple[str, ...]
+    prompts: int
+    samples: int = 8
+    max_tokens: int = 1024
+    steps: int = 2
+    warmup: int = 1
+    micro_batch_tokens: int = 16384
+    config: dict[str, Any] = field(default_factory=dict)  # run-config fields (RunConfig)
+
+    def sizes(self) -> dict[str, Any]:
+        """The bench flags this preset sets (``fp8rl bench step``'s argument names)."""
+        return {
+            "shape": self.shape, "recipes": list(self.recipes), "prompts": self.prompts, "samples": self.samples,
+            "max_tokens": self.max_tokens, "steps": self.steps, "warmup": self.warmup,
+            "micro_batch_tokens": self.micro_batch_tokens,
+        }  # fmt: skip
+
+
+PRESETS: dict[str, BenchPreset] = {
+    "llama-8b-h200x2": BenchPreset(
+        "Llama-3.1-8B shape on two 141 GB GPUs (H200): FSDP2 + vLLM colocated, CUDA IPC sync, AdamW state on the "
+        "GPU; bf16 against fp8-e2e-row-kv (per-channel FP8 weights, per-token activations, FP8 KV cache)",
+        shape="llama-8b",
+        recipes=("bf16", "fp8-e2e-row-kv"),
+        prompts=64,
+        config=_merged(
+            _TWO_GPU_COLOCATED,
+            {
+                # the engines stay awake from the sync to the generation (nothing sleeps and wakes only to be
+                # overwritten); a host-bound decode skips the per-step block hashing of prefix caching; the FP8 KV
+                # scales are calibrated on 4k tokens of the step's batch
+                "rollout": {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096},
+                "optim": {"offload_optimizer_state": False},
+                "ray": {"sleep_after_sync": False},
+            },
+        ),
+    ),
+    "llama-8b-h100x2": BenchPreset(
+        "Llama-3.1-8B shape on two 80 GB GPUs (H100): the same layout, AdamW's moments in host memory between "
+        "steps (fp32 masters, moments and gradients would not fit beside the engines)",
+        shape="llama-8b",
+        recipes=("bf16", "fp8-e2e-row-kv"),
+        prompts=32,
+        config=_merged(
+            _TWO_GPU_COLOCATED,
+            {
+                "rollout": {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096},
+                "optim": {"offload_optimizer_state": True},
+            },
+        ),
+    ),
+    "llama-1b-1gpu": BenchPreset(
+        "Llama-3.2-1B shape on one GPU, one process: the vLLM engine (CUDA graphs) beside the trainer",
+        shape="llama-1b",
+        recipes=("bf16", "fp8-e2e", "fp8-e2e-row-kv"),
+        prompts=16,
+        micro_batch_tokens=4096,
+        config={
+            "rollout": {"engine": "vllm", "gpu_memory_utilization": 0.3, "enforce_eager": False, "max_model_len": 2048},
+            "verify_sync": False,
+        },
+    ),
+}
+
+
+def get_preset(name: str) -> BenchPreset:
+    if name not in PRESETS:
+        raise UserError(f"--preset: unknown benchmark preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_config(preset: BenchPreset, config: dict[str, Any]) -> dict[str, Any]:
+    """The run-config fields of a ``--config`` file (``config``) on the preset's."""
+    return _merged(preset.config, config)

@@ -1,0 +1,73 @@
+"""``fp8rl bench step --preset``: a named layout is the measured table's command, and flags still override it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fp8rl.bench.presets import PRESETS
+from fp8rl.bench.step import SHAPES, StepBench, step_config
+from fp8rl.bench.step_cli import resolve_preset
+from fp8rl.cli import build_parser
+from fp8rl.errors import UserError
+from fp8rl.run_flags import apply_overrides, apply_ray_flags
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _configs(argv: list[str]) -> tuple[dict, list]:
+    args = build_parser().parse_args(["bench", "step", *argv])
+    sizes, base = resolve_preset(args)
+    apply_ray_flags(base, args)
+    apply_overrides(base, args.set)
+    recipes = args.recipes or sizes["recipes"]
+    bench = StepBench(
+        recipes=recipes, prompts=sizes["prompts"], samples=sizes["samples"], max_tokens=sizes["max_tokens"],
+        steps=sizes["steps"], warmup=sizes["warmup"],
+        micro_batch_tokens=args.micro_batch_tokens or sizes.get("micro_batch_tokens"),
+    )  # fmt: skip
+    return {**sizes, "shape": args.shape}, [step_config(base, r, bench, "work") for r in recipes]
+
+
+def test_the_h200_preset_is_the_measured_command() -> None:
+    """The 8B table's command before presets: a config file, eight flags and three --set."""
+    measured = [
+        "--shape", "llama-8b", "--config", str(REPO / "docs/configs/bench-vllm-ray-fsdp-8b-h200.yaml"),
+        "--recipes", "bf16,fp8-e2e-row-kv", "--prompts", "64", "--samples", "8", "--max-tokens", "1024",
+        "--steps", "2", "--warmup", "1", "--micro-batch-tokens", "16384",
+        "--set", "rollout.fp8_scaling=channel", "--set", "rollout.prefix_caching=false",
+        "--set", "rollout.kv_calibration_tokens=4096",
+    ]  # fmt: skip
+    sizes_m, cfgs_m = _configs(measured)
+    sizes_p, cfgs_p = _configs(["--preset", "llama-8b-h200x2"])
+    assert sizes_p["shape"] == sizes_m["shape"] == "llama-8b"
+    assert [c.model_dump() for c in cfgs_p] == [c.model_dump() for c in cfgs_m]
+
+
+def test_flags_config_and_set_override_the_preset(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout: {gpu_memory_utilization: 0.6}\noptim: {lr: 3.0e-6}\n")
+    sizes, cfgs = _configs([
+        "--preset", "llama-8b-h200x2", "--prompts", "8", "--recipe", "bf16", "--config", str(cfg_file),
+        "--set", "optim.lr=5e-6", "--trainer-workers", "1", "--rollout-workers", "1", "--shape", "llama-1b",
+    ])  # fmt: skip
+    assert sizes["prompts"] == 8 and sizes["shape"] == "llama-1b" and len(cfgs) == 1
+    cfg = cfgs[0]
+    assert cfg.recipe.name == "bf16" and cfg.grpo.prompts_per_step == 8
+    assert cfg.rollout.gpu_memory_utilization == 0.6 and cfg.optim.lr == 5e-6
+    assert cfg.ray is not None and cfg.ray.trainer_workers == 1 and cfg.ray.layout == "colocated"
+    assert cfg.rollout.prefix_caching is False  # the preset's, untouched
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_a_valid_run_config_for_each_of_its_recipes(name: str) -> None:
+    sizes, cfgs = _configs(["--preset", name])
+    assert sizes["shape"] in SHAPES and len(cfgs) == len(PRESETS[name].recipes) >= 2
+    assert cfgs[0].recipe.name == "bf16"  # every table is against bf16
+    assert all(c.sampling.ignore_eos and c.sampling.max_tokens == sizes["max_tokens"] for c in cfgs)
+
+
+def test_an_unknown_preset_names_the_known_ones() -> None:
+    with pytest.raises(UserError, match="unknown benchmark preset 'h300'.*llama-8b-h200x2"):
+        _configs(["--preset", "h300"])
