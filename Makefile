@@ -43,10 +43,11 @@ images:
 	scripts/container_tools.sh
 	images/build.sh --local-base $(IMAGES)
 
-# --durations: the slowest tests, printed by every run (what CI's time goes to)
+# --durations: the slowest tests, printed by every run (what CI's time goes to). The cluster and image tiers run in a
+# second pytest process beside the rest (scripts/pytest_tiers.sh); `$(BIN)/python -m pytest` runs everything in one.
 PYTEST_ARGS ?= --durations=25
 test: lint typecheck k8s-tools
-	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python -m pytest $(PYTEST_ARGS)
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) PYTHON=$(BIN)/python scripts/pytest_tiers.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(WORK) dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

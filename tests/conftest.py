@@ -90,10 +90,16 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if "vllm" not in sys.modules:
         return None  # nothing to isolate from: run it here
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", pyfuncitem.nodeid],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-x", pyfuncitem.nodeid],
         cwd=str(pyfuncitem.config.rootpath), env={**os.environ, ISOLATED_ENV: "1"},
         capture_output=True, text=True,
     )  # fmt: skip
     if proc.returncode != 0:
         pytest.fail(f"in a process of its own (vLLM is imported in this one):\n{proc.stdout[-6000:]}", pytrace=False)
+    import re
+
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    if " skipped" in last and " passed" not in last:  # a skip there (a missing engine, too few GPUs) is one here
+        reason = re.search(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", proc.stdout, re.MULTILINE)
+        pytest.skip(f"in a process of its own: {reason[1] if reason else last}")
     return True

@@ -38,5 +38,25 @@ def test_a_failure_in_the_subprocess_fails_here() -> None:
     raise AssertionError("failed in the subprocess" if ISOLATED else "ran here instead")
 
 
+@pytest.mark.isolate_from_vllm
+def test_a_skip_in_the_subprocess_is_a_skip_here() -> None:
+    if ISOLATED:
+        pytest.skip("no transformer_engine there")
+    raise AssertionError("ran here instead")
+
+
+def test_the_skip_above_is_reported_as_a_skip_with_its_reason() -> None:
+    """Run it the way a user would (its own pytest), and read pytest's own summary."""
+    import subprocess
+
+    if ISOLATED:
+        return
+    node = f"{__file__}::test_a_skip_in_the_subprocess_is_a_skip_here"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", node],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "1 skipped" in proc.stdout and "in a process of its own: no transformer_engine there" in proc.stdout
+
+
 def test_unmarked_tests_stay_here() -> None:
     assert not ISOLATED
