@@ -47,6 +47,10 @@ class ClusterRefs:
     hf_secret: Any
 
 
+# the env the RL step reads its pod's identity from (fp8rl.kube.rl_step.owner_pod_reference)
+OWNER_POD_FIELDS = {"FP8RL_POD_NAME": "metadata.name", "FP8RL_POD_UID": "metadata.uid"}
+
+
 def on_cluster(
     task: PipelineTask,
     refs: ClusterRefs,
@@ -71,6 +75,9 @@ def on_cluster(
         task.set_caching_options(enable_caching=False)
     if rayjob:
         kubernetes.use_config_map_as_volume(task, refs.rayjob_defaults, RAYJOB_DEFAULTS_MOUNT)
+        # the step's own pod, by the downward API: its RayJob is owned by it (deleted with it when a run is cancelled)
+        for env, path in OWNER_POD_FIELDS.items():
+            kubernetes.use_field_path_as_env(task, env, path)
     if hf_token:
         kubernetes.use_secret_as_env(task, refs.hf_secret, HF_SECRET_ENV, optional=True)
     if gpu:

@@ -170,6 +170,14 @@ class SecretKeyRef(_Template):
     key: str = Field("auth_token", min_length=1)
 
 
+class MlflowAuth(_Template):
+    """MLflow basic-auth credentials of the Ray pods (``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``): the chart's
+    admin user and the Secret key that holds its password."""
+
+    username: str = Field(min_length=1)
+    password_secret: SecretKeyRef
+
+
 class RayJobTemplate(_Template):
     """Everything about the RL step's RayJob that the cluster operator decides (rendered by the chart)."""
 
@@ -183,6 +191,8 @@ class RayJobTemplate(_Template):
     ttl_seconds_after_finished: int = Field(300, ge=0)
     active_deadline_seconds: int | None = Field(None, gt=0)
     mlflow_tracking_uri: str | None = None
+    # set by the chart when MLflow's basic auth is on: without it the RL step's logging would be refused (401)
+    mlflow_auth: MlflowAuth | None = None
     ray_token_secret: SecretKeyRef | None = None
     pvc_name: str | None = None
 
@@ -256,6 +266,15 @@ def _ray_env(template: RayJobTemplate) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
     if template.mlflow_tracking_uri:
         env.append({"name": "MLFLOW_TRACKING_URI", "value": template.mlflow_tracking_uri})
+    if template.mlflow_auth is not None:
+        secret = template.mlflow_auth.password_secret
+        env += [
+            {"name": "MLFLOW_TRACKING_USERNAME", "value": template.mlflow_auth.username},
+            {
+                "name": "MLFLOW_TRACKING_PASSWORD",
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            },
+        ]
     return env + _token_env(template)
 
 
@@ -353,10 +372,14 @@ def _runtime_env_yaml(env_vars: Mapping[str, str]) -> str | None:
     return yaml.safe_dump({"env_vars": dict(env_vars)}, sort_keys=True) if env_vars else None
 
 
-def _rayjob(name: str, namespace: str, labels: Mapping[str, str], spec: dict[str, Any]) -> dict[str, Any]:
+def _rayjob(
+    name: str, namespace: str, labels: Mapping[str, str], spec: dict[str, Any], owner: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if labels:
         metadata["labels"] = dict(labels)
+    if owner is not None:
+        metadata["ownerReferences"] = [dict(owner)]
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": spec}
 
 
@@ -377,11 +400,13 @@ def build_rayjob(
     entrypoint: str | Sequence[str],
     namespace: str = "default",
     labels: Mapping[str, str] | None = None,
+    owner: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A RayJob that brings its own RayCluster: one head (no GPUs) and one fixed-size GPU worker group.
 
     ``labels`` go on the RayJob and on every pod; each pod also gets ``fp8rl/rayjob: <name>`` and
-    ``fp8rl/role: head|worker|submitter``.
+    ``fp8rl/role: head|worker|submitter``.  ``owner``: an ownerReference in ``namespace`` (the submitting pod):
+    the RayJob is garbage-collected with it.
     """
     _check_name(name)
     labels = dict(labels or {})
@@ -395,7 +420,7 @@ def build_rayjob(
         "headGroupSpec": _head_group(template, name, labels),
         "workerGroupSpecs": [_worker_group(template, name, labels)],
     }
-    return _rayjob(name, namespace, labels, spec)
+    return _rayjob(name, namespace, labels, spec, owner)
 
 
 def build_rayjob_for_cluster(

@@ -50,6 +50,17 @@ def current_namespace() -> str:
     return os.environ.get("POD_NAMESPACE", "default")
 
 
+def owner_pod_reference() -> dict[str, Any] | None:
+    """An ownerReference to the step's own pod (``$FP8RL_POD_NAME``/``$FP8RL_POD_UID``, which the pipelines set
+    from the downward API), else None.  The RayJob is created in that pod's namespace, so Kubernetes' garbage
+    collector deletes it, its Ray pods and their GPUs, once the pod is deleted: a cancelled KFP run whose step was
+    killed before it could clean up leaves nothing running."""
+    name, uid = os.environ.get("FP8RL_POD_NAME", ""), os.environ.get("FP8RL_POD_UID", "")
+    if not name or not uid:
+        return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False}
+
+
 def rayjob_name(recipe: str, seed: int, kfp_run_id: str) -> str:
     """``fp8rl-<recipe>-<hash>``: a DNS-1035 label of at most 47 characters, unique per KFP run, recipe and seed."""
     digest = hashlib.sha256(f"{kfp_run_id}/{recipe}/{seed}".encode()).hexdigest()[:8]
@@ -124,7 +135,7 @@ def run_rl_step_as_rayjob(
     labels = {"app.kubernetes.io/part-of": "fp8rl"}
     if re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", kfp_run_id):
         labels["fp8rl/kfp-run-id"] = kfp_run_id  # kubectl get rayjobs -l fp8rl/kfp-run-id=<id>
-    doc = build_rayjob(template, name, entrypoint, current_namespace(), labels)
+    doc = build_rayjob(template, name, entrypoint, current_namespace(), labels, owner=owner_pod_reference())
     (submit or submit_rayjob)(doc, api or KubeApis.from_environment(), timeout_s)
     run_id = find_recipe_run(cfg, parent_run_id)
     MlflowSink.attach(run_id, cfg.work_dir).set_tags(tags)

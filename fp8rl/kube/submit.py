@@ -32,10 +32,13 @@ autoscaler may still be adding GPU nodes.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -407,6 +410,29 @@ def _drain_logs(watch: _Watch, status: Mapping[str, Any], sleep: Callable[[float
         sleep(1.0)
 
 
+class Terminated(SystemExit):
+    """SIGTERM while a RayJob was watched (a cancelled KFP run's step pod is terminated): exit 143 after cleanup."""
+
+
+@contextlib.contextmanager
+def terminated_by_sigterm() -> Iterator[None]:
+    """In the main thread, SIGTERM raises :class:`Terminated` where the watch is, so the ``finally`` that deletes
+    the RayJob runs before the process exits (Kubernetes sends SIGTERM, then SIGKILL after the grace period;
+    the ownerReference of ``fp8rl.kube.rl_step`` covers a SIGKILL).  Elsewhere, or off the main thread, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, _frame: Any) -> None:
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def submit_rayjob(
     doc: Mapping[str, Any],
     api: KubeApis,
@@ -432,8 +458,9 @@ def submit_rayjob(
     log_sink(f"[rayjob {name}] created in namespace {namespace}")
     watch = _Watch(name, namespace, api, request_timeout_s, log_sink, clock)
     try:
-        status = _wait(watch, timeout_s, poll_s, image_pull_grace_s, sleep)
-        _drain_logs(watch, status, sleep)
+        with terminated_by_sigterm():
+            status = _wait(watch, timeout_s, poll_s, image_pull_grace_s, sleep)
+            _drain_logs(watch, status, sleep)
         if status.get("jobDeploymentStatus") != "Complete" or status.get("jobStatus") != "SUCCEEDED":
             raise watch.failure(status)
         return RayJobResult(

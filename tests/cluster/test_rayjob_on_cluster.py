@@ -218,3 +218,36 @@ def test_rl_step_rayjob_backend_from_the_charts_template(
     assert "[rl-step] RayJob " in out and "created in namespace " + namespace in out
     assert "deployment Running" in out or "deployment Initializing" in out, out
     assert (tmp_path / "work" / "kfp-runs" / "run-1").is_dir()  # staged where the Ray pods would read it
+
+
+def test_deleting_the_step_pod_garbage_collects_its_rayjob(
+    api_client: Any, namespace: str, wait: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled KFP run deletes the RL step's pod, possibly before the step could delete its RayJob (SIGKILL
+    after the grace period): the RayJob names that pod as its owner (``owner_pod_reference``, from the downward
+    API's name and uid), so the API server's garbage collector deletes it, and with it the RayCluster and its GPU
+    pods, within 30 s of the pod."""
+    import time
+
+    from kubernetes import client
+
+    from fp8rl.kube.rl_step import owner_pod_reference
+
+    core = client.CoreV1Api(api_client)
+    pod = core.create_namespaced_pod(
+        namespace, {"metadata": {"name": "rl-step"}, "spec": {"containers": [{"name": "main", "image": "busybox"}]}}
+    )
+    monkeypatch.setenv("FP8RL_POD_NAME", pod.metadata.name)
+    monkeypatch.setenv("FP8RL_POD_UID", pod.metadata.uid)
+    api = _apis(api_client)
+    doc = build_rayjob(
+        parse_template(TEMPLATE), "owned-job", ENTRYPOINT, namespace, {"app.kubernetes.io/part-of": "fp8rl"},
+        owner=owner_pod_reference(),
+    )  # fmt: skip
+    api.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", doc)
+    wait(lambda: _clusters(api, namespace), 30, "RayCluster created by the operator")
+    core.delete_namespaced_pod("rl-step", namespace, grace_period_seconds=0)
+    start = time.monotonic()
+    wait(lambda: _rayjob_gone(api, namespace, "owned-job"), 30, "RayJob garbage-collected after its pod")
+    wait(lambda: not _clusters(api, namespace), 30, "its RayCluster deleted too")
+    print(f"RayJob and RayCluster gone {time.monotonic() - start:.1f} s after the step's pod was deleted")

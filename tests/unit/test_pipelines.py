@@ -210,8 +210,11 @@ def test_kubernetes_platform_spec(irs: dict[str, list[dict[str, Any]]], name: st
             (vol,) = k["configMapAsVolume"]
             assert vol["mountPath"] == RAYJOB_DEFAULTS_MOUNT
             assert vol["configMapNameParameter"]["componentInputParameter"].endswith("rayjob_defaults")
+            # its pod's name and uid (downward API): the RayJob it submits is owned by the pod
+            fields = {f["name"]: f["fieldPath"] for f in k["fieldPathAsEnv"]}
+            assert fields == {"FP8RL_POD_NAME": "metadata.name", "FP8RL_POD_UID": "metadata.uid"}
         else:
-            assert "configMapAsVolume" not in k
+            assert "configMapAsVolume" not in k and "fieldPathAsEnv" not in k
 
 
 def test_rl_step_reads_the_mounted_template(irs: dict[str, list[dict[str, Any]]]) -> None:

@@ -609,3 +609,52 @@ def test_dashboard_blip_is_retried_and_missed_log_lines_are_filled_in(monkeypatc
     assert result.status == "SUCCEEDED"
     assert any("dashboard error, retrying" in line for line in lines)
     assert [line for line in lines if not line.startswith("[ray job")] == ["hello", "world"]
+
+
+def test_sigterm_deletes_the_rayjob_and_exits_143() -> None:
+    """A cancelled KFP run terminates the step's pod: SIGTERM (a real signal to this process) while the RayJob is
+    watched deletes it before the process exits, and the previous SIGTERM handler is back afterwards."""
+    import os
+    import signal
+
+    from fp8rl.kube.submit import Terminated
+
+    cluster = FakeCluster(statuses=[(0, status("Running", "RUNNING"))])
+    sent: list[float] = []
+
+    def sleep_then_terminate(seconds: float) -> None:
+        cluster.clock.sleep(seconds)
+        if not sent:
+            sent.append(seconds)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    e, lines = run_failing(cluster, Terminated, sleep=sleep_then_terminate)
+    assert e.code == 128 + signal.SIGTERM and sent
+    assert cluster.deleted == [NAME]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_step_pod_owns_its_rayjob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the downward API's pod name and uid (the pipelines set them), the RayJob is owned by the step's pod,
+    so deleting the pod garbage-collects the RayJob; without them it has no owner."""
+    from fp8rl.kube.rayjob import build_rayjob
+    from fp8rl.kube.rl_step import owner_pod_reference
+
+    monkeypatch.delenv("FP8RL_POD_NAME", raising=False)
+    monkeypatch.delenv("FP8RL_POD_UID", raising=False)
+    assert owner_pod_reference() is None
+    monkeypatch.setenv("FP8RL_POD_NAME", "recipe-comparison-abc-rl-step-123")
+    monkeypatch.setenv("FP8RL_POD_UID", "6f1e2d3c-0000-4000-8000-000000000001")
+    owner = owner_pod_reference()
+    assert owner == {
+        "apiVersion": "v1", "kind": "Pod", "name": "recipe-comparison-abc-rl-step-123",
+        "uid": "6f1e2d3c-0000-4000-8000-000000000001", "blockOwnerDeletion": False,
+    }  # fmt: skip
+    from fp8rl.kube.rayjob import parse_template
+
+    res = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+    template = parse_template({"image": "fp8rl-runtime:0.1.0", "head": {"resources": res},
+                               "workers": {"replicas": 1, "gpusPerWorker": 1, "resources": res}})  # fmt: skip
+    doc = build_rayjob(template, "fp8rl-step", "python x.py", "ml", owner=owner)
+    assert doc["metadata"]["ownerReferences"] == [owner] and doc["metadata"]["namespace"] == "ml"

@@ -433,7 +433,8 @@ def test_rayjob_defaults_contract(render) -> None:
     cm = rendered.one("ConfigMap", "-rayjob-defaults")
     assert cm["metadata"]["name"] == DEFAULTS_CM
     assert set(cm["data"]) == {
-        "mlflowTrackingUri", "rayjob.yaml", "recipe-bf16.yaml", "recipe-fp8-rollout.yaml", "recipe-fp8-e2e.yaml"
+        "mlflowTrackingUri", "rayjob.yaml", "recipe-bf16.yaml", "recipe-fp8-rollout.yaml", "recipe-fp8-e2e.yaml",
+        "recipe-fp8-e2e-row.yaml", "recipe-fp8-e2e-row-kv.yaml",
     }  # fmt: skip
     d = rayjob_defaults(rendered)
     # the pipeline steps' $MLFLOW_TRACKING_URI (pipelines/cluster.py) is the RayJob's tracking URI
@@ -488,7 +489,7 @@ def test_rayjob_defaults_without_a_standing_cluster(render) -> None:
     assert d["pvcName"] == "shared-models" and "rayTokenSecret" not in d
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout", "fp8-e2e"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout", "fp8-e2e", "fp8-e2e-row", "fp8-e2e-row-kv"])
 def test_recipe_copies_are_byte_identical(render, recipe: str) -> None:
     source = (REPO / "fp8rl" / "recipes" / f"{recipe}.yaml").read_bytes()
     assert (CHART / "files" / "recipes" / f"{recipe}.yaml").read_bytes() == source, (
@@ -511,6 +512,7 @@ def test_every_packaged_recipe_is_in_the_chart() -> None:
     [
         ('ray.worker.gpusPerWorker="eight"', "'/ray/worker/gpusPerWorker'"),
         ('mlflow.backend.type="mysql"', "'/mlflow/backend/type'"),
+        ('ray.upgradeStrategy="Rolling"', "'/ray/upgradeStrategy'"),
         ('mlfow={"enabled": false}', "'mlfow'"),
         ("ray.head.resources.requests=null", "'/ray/head/resources'"),
         ("mlflow.resources=null", "'/mlflow'"),
@@ -687,3 +689,39 @@ def test_every_value_is_documented_once_in_the_readme() -> None:
         if not any(leaf == d or leaf.startswith(d + ".") for d in documented)
     ]  # fmt: skip
     assert not undocumented, f"values without a # -- comment: {undocumented}"
+
+
+# ----------------------------------------------------------------------------- MLflow credentials of the RayJob pods
+
+
+@pytest.mark.parametrize("values", ["production-values.yaml", "rayjob-only-values.yaml"])
+def test_rayjobs_get_the_mlflow_credentials_when_auth_is_on(render, values: str) -> None:
+    """With MLflow's basic auth on, a RayJob's head and workers log as the chart's admin user (as the standing
+    RayCluster's pods do): the password from the auth Secret, never in the ConfigMap."""
+    from fp8rl.kube.rayjob import build_rayjob, parse_template
+
+    rendered = render(next(f for f in CI_VALUES if f.name == values))
+    d = rayjob_defaults(rendered)
+    auth = d["mlflowAuth"]
+    assert auth["passwordSecret"]["key"] == "admin-password" and auth["username"]
+    job = build_rayjob(parse_template(d), "fp8rl-step", "python x.py")
+    spec = job["spec"]["rayClusterSpec"]
+    for pod in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        env = env_of(pod["template"]["spec"]["containers"][0])
+        assert env["MLFLOW_TRACKING_USERNAME"]["value"] == auth["username"]
+        assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"] == auth["passwordSecret"]
+    standing = rendered.kinds("RayCluster")
+    if standing:  # the same user and Secret key as the standing cluster's pods
+        head = standing[0]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        assert env_of(head)["MLFLOW_TRACKING_PASSWORD"] == env["MLFLOW_TRACKING_PASSWORD"]
+
+
+def test_no_mlflow_credentials_without_auth(render) -> None:
+    assert "mlflowAuth" not in rayjob_defaults(render())
+
+
+def test_an_upgrade_replaces_the_ray_pods_by_default(render) -> None:
+    """KubeRay's upgradeStrategy: Recreate (default) replaces the running Ray pods when their template changes
+    (a `helm upgrade` with a new image tag), None keeps them; anything else is refused by the schema."""
+    assert render().one("RayCluster")["spec"]["upgradeStrategy"] == {"type": "Recreate"}
+    assert render(ray__upgradeStrategy="None").one("RayCluster")["spec"]["upgradeStrategy"] == {"type": "None"}
