@@ -629,7 +629,7 @@ def test_sigterm_deletes_the_rayjob_and_exits_143() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     before = signal.getsignal(signal.SIGTERM)
-    e, lines = run_failing(cluster, Terminated, sleep=sleep_then_terminate)
+    e, _lines = run_failing(cluster, Terminated, sleep=sleep_then_terminate)
     assert e.code == 128 + signal.SIGTERM and sent
     assert cluster.deleted == [NAME]
     assert signal.getsignal(signal.SIGTERM) is before
