@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# make test's pytest on a 2-core machine: the cluster and image tiers (tests/cluster, tests/image: mostly waiting on
-# an API server, controllers and containers) run in a second pytest process beside the rest, whose tests mostly
-# compute. Each process prints its own summary (the side one's when both are done); the exit status is the worse.
+# make test's pytest on a 2-core machine, in two processes that each print their own summary (the second's when
+# both are done); the exit status is the worse of the two. Beside the bulk of the suite, the second runs the tiers
+# that mostly wait (tests/cluster: an API server, controllers, the KubeRay operator) and the two longest tests
+# (the RL-evidence runs and the local recipe-comparison pipeline), then tests/image (the container images; with
+# FP8RL_IMAGES_READY_FILE set, its tests wait for the image build that writes that file: .ci/run).
 # Arguments go to both (e.g. -x, -k EXPR). PYTHON: the interpreter (default .venv/bin/python).
 set -uo pipefail
 py=${PYTHON:-.venv/bin/python}
+side=(tests/cluster tests/integration/test_rl_evidence.py tests/integration/test_pipeline_local.py tests/image)
 side_log=$(mktemp)
 trap 'rm -f "$side_log"' EXIT
-"$py" -m pytest -m "cluster or image" -p no:cacheprovider "$@" >"$side_log" 2>&1 &
-side=$!
-"$py" -m pytest -m "not cluster and not image" "$@"
+"$py" -m pytest -p no:cacheprovider "${side[@]}" "$@" >"$side_log" 2>&1 &
+side_pid=$!
+ignore=()
+for path in "${side[@]}"; do ignore+=("--ignore=$path"); done
+"$py" -m pytest "${ignore[@]}" "$@"
 main_rc=$?
-wait "$side"
+wait "$side_pid"
 side_rc=$?
-echo "---- tests/cluster and tests/image (run beside the tests above) ----"
+echo "---- ${side[*]} (run beside the tests above) ----"
 cat "$side_log"
 # 5 is pytest's "no tests collected": fine for one process when a filter left its tier empty, not for both
 [ "$main_rc" = 5 ] && [ "$side_rc" != 5 ] && main_rc=0

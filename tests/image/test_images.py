@@ -32,7 +32,30 @@ REQUIRED = {t.strip() for t in os.environ.get("FP8RL_REQUIRE_IMAGES", "").split(
 SECURE = ["--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges", "--tmpfs=/tmp", "--env=HOME=/tmp"]
 
 
+# .ci/run builds the images beside the tests and writes "ok" (or the failure) here when the build ends
+READY_FILE = os.environ.get("FP8RL_IMAGES_READY_FILE", "")
+BUILD_WAIT_S = 3600.0
+
+
+def _wait_for_the_build() -> None:
+    """With ``FP8RL_IMAGES_READY_FILE`` set, wait until the image build running beside the tests has ended."""
+    if not READY_FILE:
+        return
+    import time
+
+    ready, deadline = Path(READY_FILE), time.monotonic() + BUILD_WAIT_S
+    while not ready.is_file():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the image build did not end within {BUILD_WAIT_S:.0f} s ({READY_FILE} not written)")
+        time.sleep(5)
+    status = ready.read_text().strip()
+    if status != "ok":
+        pytest.fail(f"the image build failed: {status}")
+
+
 def _image(name: str, target: str) -> str:
+    _wait_for_the_build()
+
     def unavailable(why: str) -> None:
         if target in REQUIRED:
             pytest.fail(f"{why} (FP8RL_REQUIRE_IMAGES={','.join(sorted(REQUIRED))})")
