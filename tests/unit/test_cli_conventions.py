@@ -113,3 +113,17 @@ def test_an_unexpected_error_is_one_line_naming_the_step(
     assert "--debug" in err
     with pytest.raises(RuntimeError, match="the engine died"):
         cli.main(["--debug", "dequantize", str(tmp_path / "a"), str(tmp_path / "b")])
+
+
+def test_the_real_model_gpu_example_parses_as_documented() -> None:
+    """docs/configs/real-model.yaml's GPU command (vLLM, the row recipe, which quantizes SmolLM2's partial-tile
+    widths): its run configs are valid and serve the FP8 recipe per channel."""
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs/configs/real-model.yaml").read_text()
+    assert "--recipes bf16,fp8-e2e-row" in doc and "--set rollout.engine=vllm" in doc
+    argv = ["train", "--config", str(root / "docs/configs/real-model.yaml"), "--model", "m", "--recipes",
+            "bf16,fp8-e2e-row", "--set", "rollout.engine=vllm", "--set", "rollout.gpu_memory_utilization=0.3"]  # fmt: skip
+    cfgs = cli._run_configs(cli.build_parser().parse_args(argv))
+    assert [c.recipe.name for c in cfgs] == ["bf16", "fp8-e2e-row"]
+    assert all(c.rollout.engine == "vllm" and c.device == "auto" for c in cfgs)
+    assert cfgs[1].recipe.quant.granularity == "row"
