@@ -99,12 +99,16 @@ def test_cli_train_tracks_in_mlflow(tmp_path: Path, warm_model: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "[fp8-e2e] step 2/2" in r.stdout and "mlflow ui --backend-store-uri sqlite:///" in r.stdout
+    # the device, on the run's first line and as a tag; the FP8 linears, printed and as params (tiny: 2 x 7)
+    assert r.stdout.splitlines()[0] == "[fp8-e2e-seed0] device: cpu"
+    assert "[fp8-e2e] FP8 linears: 14 in the rollout engine, 14 in the trainer" in r.stdout
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("fp8rl").experiment_id])
     assert len(runs) == 1 and runs[0].data.tags["recipe"] == "fp8-e2e" and runs[0].info.status == "FINISHED"
-    assert runs[0].data.params["recipe"] == "fp8-e2e"
+    assert runs[0].data.params["recipe"] == "fp8-e2e" and runs[0].data.tags["fp8rl.device"] == "cpu"
+    assert runs[0].data.params["fp8_linears_engine"] == runs[0].data.params["fp8_linears_trainer"] == "14"
     assert len(client.get_metric_history(runs[0].info.run_id, "mismatch/token_mult_prob_error")) == 2
     r = subprocess.run([sys.executable, "-m", "fp8rl", "train", "--recipe", "fp9"], capture_output=True, text=True)
     assert r.returncode == 2 and "not a built-in recipe" in r.stderr
