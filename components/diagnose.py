@@ -23,13 +23,12 @@ def diagnose_mismatch(
     import shutil
     from pathlib import Path
 
-    import torch
-
     from fp8rl.config import load_recipe, parse_run_config
+    from fp8rl.devices import resolve_device
     from fp8rl.diagnose import diagnose_run
 
     cfg = parse_run_config({**run_config, "recipe": load_recipe(recipe).model_dump()}, "run_config")
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dev = resolve_device(device, "device")
     diag = diagnose_run(cfg, model.path, diagnosis.path, target, examples, device=dev)
     shutil.copyfile(Path(diagnosis.path) / "diagnosis.md", report.path)
     rec = diag.recommendation

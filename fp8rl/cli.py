@@ -321,9 +321,17 @@ def version_string() -> str:
     return f"fp8rl {fp8rl.__version__}" + (f" (git {sha})" if sha else "")
 
 
+class _Version(argparse.Action):
+    """``--version``: the git look-up of ``version_string`` runs only when the flag is given."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object, **_kwargs: object) -> None:
+        print(version_string())  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8rl", description="End-to-end FP8 reinforcement learning for LLMs.")
-    parser.add_argument("--version", action="version", version=version_string(), help="print the version and exit")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     parser.add_argument(
         "--debug", action="store_true", help="print the whole traceback of an unexpected error (default: one line)"
     )

@@ -82,6 +82,7 @@ ISOLATED_ENV = "FP8RL_TEST_ISOLATED"
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    import re
     import subprocess
     import sys
 
@@ -96,8 +97,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     )  # fmt: skip
     if proc.returncode != 0:
         pytest.fail(f"in a process of its own (vLLM is imported in this one):\n{proc.stdout[-6000:]}", pytrace=False)
-    import re
-
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     if " skipped" in last and " passed" not in last:  # a skip there (a missing engine, too few GPUs) is one here
         reason = re.search(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", proc.stdout, re.MULTILINE)

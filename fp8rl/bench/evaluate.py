@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp8rl.bench.throughput import resolve_device
 from fp8rl.config import RunConfig
+from fp8rl.devices import resolve_device
 from fp8rl.loop import build_torch_engine, evaluate_policy, task_examples
 from fp8rl.models.loading import load_tokenizer
 

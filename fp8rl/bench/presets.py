@@ -24,6 +24,11 @@ _TWO_GPU_COLOCATED: dict[str, Any] = {
 }  # fmt: skip
 
 
+# the 8B presets' rollout: per-channel FP8 weights, no prefix caching (a host-bound decode skips the per-step block
+# hashing), the FP8 KV scales calibrated on 4k tokens of the step's batch
+_ROW_KV_ROLLOUT: dict[str, Any] = {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096}
+
+
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``over`` on ``base``, section by section (nested mappings merged, other values replaced)."""
     out = dict(base)
@@ -66,11 +71,10 @@ PRESETS: dict[str, BenchPreset] = {
         config=_merged(
             _TWO_GPU_COLOCATED,
             {
-                # the engines stay awake from the sync to the generation (nothing sleeps and wakes only to be
-                # overwritten); a host-bound decode skips the per-step block hashing of prefix caching; the FP8 KV
-                # scales are calibrated on 4k tokens of the step's batch
-                "rollout": {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096},
+                "rollout": _ROW_KV_ROLLOUT,
                 "optim": {"offload_optimizer_state": False},
+                # the engines stay awake from the sync to the generation (nothing sleeps and wakes only to be
+                # overwritten)
                 "ray": {"sleep_after_sync": False},
             },
         ),
@@ -84,7 +88,7 @@ PRESETS: dict[str, BenchPreset] = {
         config=_merged(
             _TWO_GPU_COLOCATED,
             {
-                "rollout": {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096},
+                "rollout": _ROW_KV_ROLLOUT,
                 "optim": {"offload_optimizer_state": True},
             },
         ),

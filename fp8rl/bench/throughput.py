@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from fp8rl.config import RunConfig
+from fp8rl.devices import resolve_device
 from fp8rl.loop import build_parts, rl_step, task_examples
 from fp8rl.tasks import Example
 from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
@@ -164,13 +165,6 @@ class ThroughputResult:
         return asdict(self)
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; anything else is returned as given."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def device_name(device: str) -> str:
     """A human-readable name of the device the numbers were measured on."""
     dev = torch.device(device)
@@ -212,7 +206,7 @@ def benchmark_recipe(
     """
     if steps < 1 or warmup_steps < 0:
         raise ValueError(f"need steps >= 1 and warmup_steps >= 0, got {steps} and {warmup_steps}")
-    device = resolve_device(device)
+    device = resolve_device(device, "device")
     cfg = cfg.model_copy(update={"verify_sync": verify_sync})
     torch.manual_seed(cfg.seed)
     cuda = device.startswith("cuda")
