@@ -41,6 +41,7 @@ from fp8rl.checkpoint.report import ConversionReport, TensorReport
 from fp8rl.checkpoint.shards import (
     INDEX_NAME,
     CheckpointError,
+    ShardLayout,
     copy_side_files,
     sha256_file,
     shard_layout,
@@ -307,6 +308,24 @@ def write_manifest(dst: Path, extra: dict[str, Any]) -> None:
     (dst / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+def _plan(
+    src: Path, opts: ConvertOptions, allow_unquantized: bool
+) -> tuple[dict[str, Any], ShardLayout, set[int], dict[str, dict[str, Any]], int]:
+    """What a conversion of ``src`` will do, decided from the config and the shard headers before anything is
+    written: (config, shard layout, kept BF16 layers, partial-tile modules kept in their dtype, tensor count).
+    Every input is checked here, and the FP8 coverage too unless ``allow_unquantized``."""
+    cfg = _validate_source(src)
+    layout = shard_layout(src)
+    kept = opts.kept_layers(int(cfg["num_hidden_layers"]))
+    headers = read_headers(src, layout.files)
+    check_config_matches_weights(cfg, headers, src)
+    shapes = {name: shape for name, (_, shape) in headers.items()}
+    partial = partial_tile_modules(shapes, opts, kept)
+    if not allow_unquantized:
+        check_fp8_coverage(shapes, opts, kept, partial)
+    return cfg, layout, kept, partial, len(headers)
+
+
 def convert_checkpoint(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -328,17 +347,7 @@ def convert_checkpoint(
     if opts.partial_tiles not in PARTIAL_TILES:
         raise CheckpointError(f"partial_tiles must be one of {PARTIAL_TILES}, got {opts.partial_tiles!r}")
     src_path, dst_path = Path(src), Path(dst)
-    cfg = _validate_source(src_path)
-    layout = shard_layout(src_path)
-    num_layers = int(cfg["num_hidden_layers"])
-    kept = opts.kept_layers(num_layers)
-    headers = read_headers(src_path, layout.files)  # every input is checked before anything is written
-    check_config_matches_weights(cfg, headers, src_path)
-    shapes = {name: shape for name, (_, shape) in headers.items()}
-    partial = partial_tile_modules(shapes, opts, kept)
-    if not allow_unquantized:
-        check_fp8_coverage(shapes, opts, kept, partial)
-    n_tensors = len(headers)
+    cfg, layout, kept, partial, n_tensors = _plan(src_path, opts, allow_unquantized)
 
     with atomic_directory(dst_path, overwrite=overwrite) as tmp:
         bar = tqdm(total=n_tensors, desc=f"convert -> fp8 {opts.granularity}", unit="tensor", disable=not show_progress)
