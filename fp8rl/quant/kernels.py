@@ -403,7 +403,7 @@ def compile_ahead(
     a bf16 input, FP8 outputs of Triton type ``fp8`` (``"fp8e4nv"``, ``"fp8e5"``), fp32 scales, i32 integers.
     ``specialize``: as Triton specializes a ``quantize_block_input`` launch at run time (``UNIT_STRIDES`` constant,
     the other integers divisible by 16), which changes the code.  For ``tests/unit/test_quant_kernels_compile.py``
-    and ``scripts/quant_kernel_sass.py``."""
+    and ``experiments/quant_kernel_sass.py``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -108,7 +108,7 @@ if triton is not None:
 
 
 ONE_PASS_MAX = 16384  # widest row the one-pass kernel holds in registers (8 warps: 64 values a thread)
-# rows, columns per program, warps: the fastest of scripts/gpu_row_sweep.py's at width 14,336 on an H100 (2026-11-26;
+# rows, columns per program, warps: the fastest of experiments/gpu_row_sweep.py's at width 14,336 on an H100 (2026-11-26;
 # at width 4,096 within 10% of that width's fastest)
 AMAX_TILE = (128, 64, 4)
 CAST_TILE = (128, 64, 4)

@@ -16,7 +16,7 @@ eager modules that saved other tensors, and ``torch.utils.checkpoint`` stopped t
 The rotary embedding: HF applies it to q and k as ten eager kernels a layer (``q * cos + rotate_half(q) * sin``,
 ``rotate_half`` a negation and a concatenation), each a pass over q or k, and as many again in the backward and in
 a checkpointed layer's recompute: ~1.6 s of the 8B step's train phase on two H200s, the largest "other" part
-(docs/benchmarks.md, seventh session).  Fused, it is one pass each way; the Function saves only ``cos`` and
+(docs/benchmarks.md, history, 2026-11-26).  Fused, it is one pass each way; the Function saves only ``cos`` and
 ``sin`` (the backward is linear in the output gradient).  HF's attention forward calls the module-level
 ``apply_rotary_pos_emb``; a patched attention runs HF's own forward code with that one name bound to the fused
 function (a copy of the function over its module's globals), so nothing else in the process changes; an

@@ -1,7 +1,7 @@
 """``fp8rl.train.step_profile``: a policy step's kernel time by category, on request (``bench step --profile-train``).
 
 On the CPU the categories come from the aten ops' own CPU time (the GPU's kernel names are checked by name here,
-and the GPU's profile by ``scripts/gpu_fp8_speed.py``'s rlprofile section): an armed step reports them, the steps
+and the GPU's profile by ``experiments/gpu_fp8_speed.py``'s rlprofile section): an armed step reports them, the steps
 before and after do not, the step itself is the same step, and a Ray trainer group reports the busiest rank's."""
 
 from __future__ import annotations

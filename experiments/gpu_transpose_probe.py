@@ -13,7 +13,7 @@ script times the same computation written several ways, each checked byte for by
 
 for the colwise-only launch (the second launch of the split mode), the one-read fused launch (both copies from
 one 128 x 128 tile) and the weight tiles.  Writes ``$OUT/transpose_probe.json`` (or the path given) and prints a
-table.  Usage on the GPU machine: ``python3 scripts/gpu_transpose_probe.py``.
+table.  Usage on the GPU machine: ``python3 experiments/gpu_transpose_probe.py``.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ between a barrier and ``synchronize`` on every rank, the slowest rank counting. 
 broadcast of one buffer of the same size gives the link's ceiling.  A last verified push
 checks the received bytes against the sender's checksums.
 
-Usage, on a machine with 2 GPUs (NCCL):   python3 scripts/gpu_sync_bench.py
-                                     or:  torchrun --nproc-per-node 2 scripts/gpu_sync_bench.py
-CPU smoke run (gloo, a small model):      python scripts/gpu_sync_bench.py --backend gloo --small
+Usage, on a machine with 2 GPUs (NCCL):   python3 experiments/gpu_sync_bench.py
+                                     or:  torchrun --nproc-per-node 2 experiments/gpu_sync_bench.py
+CPU smoke run (gloo, a small model):      python experiments/gpu_sync_bench.py --backend gloo --small
 Prints a table and writes $OUT/gpu_sync_bench.json (OUT defaults to '.').
 """
 

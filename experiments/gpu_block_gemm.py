@@ -31,7 +31,7 @@ cuBLAS's padded layout vs contiguous.
 Writes ``$OUT/block_gemm_cutlass_h100.json`` (``--json``) and prints a table. Without CUDA, vLLM or sm_90 it records
 what is missing and skips those paths (exit 0). ``--self-check`` tests the dequantization helpers against
 ``fp8rl.quant.dequantize`` on the CPU. On the GPU machine, from the repository root, after vLLM's setup:
-    PYTHONPATH=/tmp/site:. python3 scripts/gpu_block_gemm.py
+    PYTHONPATH=/tmp/site:. python3 experiments/gpu_block_gemm.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 in one call on the GPU machine: the fused-kernel GPU tests, the kernel/GEMM/linear benchmark table
 # (FP8 next to BF16, same run), the torch trainer step and requantize + pack of an 8B-shaped model.
-# Usage on the device, from the repository root: bash scripts/gpu_kernels.sh
+# Usage on the device, from the repository root: bash experiments/gpu_kernels.sh
 # Writes $OUT/pytest_kernels.log, $OUT/kernels.json, $OUT/fp8_speed.json.
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -17,7 +17,7 @@ tail -25 "$OUT/pytest_kernels.log"
 python3 -m fp8rl.bench.kernels --shapes "${SHAPES:-8192x14336x4096,8192x4096x4096,4096x4096x4096,16384x6144x4096,256x1536x1536}" \
     --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 bench_rc=$?
-timeout "${SPEED_TIMEOUT:-300}" python3 scripts/gpu_fp8_speed.py ${SPEED_ARGS:-}
+timeout "${SPEED_TIMEOUT:-300}" python3 experiments/gpu_fp8_speed.py ${SPEED_ARGS:-}
 speed_rc=$?
 echo "tests rc=$test_rc bench rc=$bench_rc speed rc=$speed_rc"
 exit $(( test_rc || bench_rc || speed_rc ))

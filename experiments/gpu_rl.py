@@ -3,7 +3,7 @@
 Runs SFT warm-up then GRPO (docs/configs/rl-tiny.yaml) for bf16, fp8-rollout and fp8-e2e on
 CUDA, seed after seed until the time budget is spent, and writes $OUT/gpu_rl.json after each
 run: held-out accuracy before and after, run means of every mismatch metric, step timings.
-Usage on the device: python3 scripts/gpu_rl.py [budget_seconds]
+Usage on the device: python3 experiments/gpu_rl.py [budget_seconds]
 """
 
 from __future__ import annotations

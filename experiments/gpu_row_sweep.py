@@ -1,7 +1,7 @@
 """The row recipe's quantization launches on a GPU: each tile configuration of ``fp8rl.quant.row_linear`` at the 8B
 benchmark's widths, GB/s against a device-to-device copy, next to the block recipe's launches of the same input.
 
-Usage (GPU machine, repository root): ``python3 scripts/gpu_row_sweep.py [--json FILE]``.  Bytes counted: the bf16
+Usage (GPU machine, repository root): ``python3 experiments/gpu_row_sweep.py [--json FILE]``.  Bytes counted: the bf16
 input read once and each FP8 copy written once (scales ignored), as ``fp8rl bench kernels`` counts them.
 """
 

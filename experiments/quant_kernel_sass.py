@@ -1,6 +1,6 @@
 """Static cost of the FP8 quantization kernels: compile them for Hopper (sm_90) here, without a GPU, and count.
 
-    python scripts/quant_kernel_sass.py [--json out.json]
+    python experiments/quant_kernel_sass.py [--json out.json]
 
 For each ``fp8rl.quant.kernels._groups_kernel`` launch the trainer makes (rowwise, the split mode's transposed
 launch, and the one-read 128x128 variant), this compiles the kernel as Triton specializes it at run time for

@@ -2,7 +2,7 @@
 # optim.cuda_graphs (issue 13) in one call on the GPU machine: its GPU tests, then the RL train phase at Llama-3.2-1B
 # shape (BF16 vs FP8, eager vs CUDA graphs) and, with STEP=1, the 4-layer Llama-3-8B-width trainer step with
 # compile_elementwise, with and without graphs.
-# Usage on the device, from the repository root: bash scripts/gpu_graphs.sh
+# Usage on the device, from the repository root: bash experiments/gpu_graphs.sh
 # Writes $OUT/pytest_graphs.log, $OUT/fp8_speed_rl.json and (STEP=1) $OUT/fp8_speed_step_{graphs,eager}.json.
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -19,13 +19,13 @@ if [ "${TESTS:-1}" = 1 ]; then
     grep -E "passed|failed|^E " "$OUT/pytest_graphs.log" | head -30
 fi
 if [ "${RL:-1}" = 1 ]; then
-    timeout "${RL_TIMEOUT:-300}" python3 scripts/gpu_fp8_speed.py --sections rl --warmup 2 --steps 2 \
+    timeout "${RL_TIMEOUT:-300}" python3 experiments/gpu_fp8_speed.py --sections rl --warmup 2 --steps 2 \
         --json fp8_speed_rl.json ${RL_ARGS:-} || rc=1
 fi
 if [ "${STEP:-0}" = 1 ]; then
     for mode in graphs eager; do
         flag=$([ $mode = graphs ] && echo --cuda-graphs)
-        timeout 150 python3 scripts/gpu_fp8_speed.py --sections trainer --compile-elementwise $flag --steps 7 \
+        timeout 150 python3 experiments/gpu_fp8_speed.py --sections trainer --compile-elementwise $flag --steps 7 \
             --json "fp8_speed_step_$mode.json" || rc=1
     done
 fi

@@ -1,7 +1,7 @@
 """Does a CUDA graph lift the host-bound FP8 linear (issue 13)? Forward + backward of ``FP8TrainLinear`` and of
 ``nn.Linear`` (BF16) issued back to back, eager and as ``torch.cuda.make_graphed_callables`` (the forward and
 the backward each replayed as one graph), at the shapes of the kernel benchmark. Prints and writes
-``$OUT/graphed_linear.json``. Usage on the GPU machine: ``python3 scripts/gpu_graphed_linear.py``.
+``$OUT/graphed_linear.json``. Usage on the GPU machine: ``python3 experiments/gpu_graphed_linear.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Runs ``FP8TrainLinear`` forward + backward at M x N x K back to back under cProfile and prints the functions
 with the most own time and cumulative time per call; the device time per call is printed next to it.
-Usage on the GPU machine: ``python3 scripts/gpu_host_profile.py [M N K]``.
+Usage on the GPU machine: ``python3 experiments/gpu_host_profile.py [M N K]``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@
             bandwidth measured in the same run.
 
 Writes $OUT/fp8_speed.json (rewritten after each section). Run on the GPU machine from the repository root:
-    PYTHONPATH=.:scripts python3 scripts/gpu_fp8_speed.py
+    PYTHONPATH=.:scripts python3 experiments/gpu_fp8_speed.py
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # gpu_sections, gpu_te_speed
 
 from gpu_sections import run_section, say
 from gpu_te_speed import decoder_stack, opts

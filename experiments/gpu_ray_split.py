@@ -5,7 +5,7 @@ them; bf16 and fp8-e2e in one run, side by side. The model is random-initialised
 shapes of a 1.5B-class Llama/Qwen2 (hidden 1536, 28 layers, vocab 151936; no weights can be
 downloaded there) and the char tokenizer; the numbers are about moving and computing, not
 learning. Writes $OUT/gpu_ray_split.json.
-Usage on a 2-GPU machine: python3 scripts/gpu_ray_split.py
+Usage on a 2-GPU machine: python3 experiments/gpu_ray_split.py
 """
 
 from __future__ import annotations
