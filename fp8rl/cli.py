@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_import_parsers(sub)
     _add_diagnose_parser(sub)
     _add_bench_parsers(sub)
+    from fp8rl.accuracy_cli import add_accuracy_parser
+
+    add_accuracy_parser(sub)
 
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
     p.add_argument("--work-dir", default="work", help="where the models are written (default: work)")

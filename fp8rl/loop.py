@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig, rollout_recipe
+from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig, WordProblemsTaskConfig, rollout_recipe
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.fp8_coverage import fp8_linear_counts
 from fp8rl.models.loading import load_tokenizer
@@ -47,6 +47,7 @@ from fp8rl.sync import InProcessWeightSync, SyncStats
 from fp8rl.tasks import ArithmeticTask, Example, load_examples
 from fp8rl.tasks.prompts import PromptFormat
 from fp8rl.tasks.rewards import ExactMatch, PythonReward, Reward, load_reward_function
+from fp8rl.tasks.word_problems import WordProblemTask
 from fp8rl.tracking import MetricsSink
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
@@ -235,6 +236,9 @@ def task_examples(cfg: RunConfig, train_size: int = 20_000) -> tuple[list[Exampl
     if isinstance(t, JsonlTaskConfig):
         fields = t.fields.model_dump()
         train, test = load_examples(t.train, fields, t.type), load_examples(t.test, fields, t.type)
+    elif isinstance(t, WordProblemsTaskConfig):
+        words = WordProblemTask(t.difficulty, t.seed)
+        train, test = words.examples("train", t.train_size), words.examples("test", cfg.eval_examples)
     else:
         task = ArithmeticTask(max_operand=t.max_operand, operators=t.operators, num_operands=t.num_operands)
         train, test = task.examples("train", train_size), task.examples("test", cfg.eval_examples)

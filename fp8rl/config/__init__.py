@@ -46,6 +46,7 @@ from fp8rl.config.task import (
     RewardConfig,
     TaskConfig,
     TaskFields,
+    WordProblemsTaskConfig,
 )
 from fp8rl.config.training import GRPOConfig, LossAgg, OptimConfig, SamplingConfig
 
@@ -76,6 +77,7 @@ __all__ = [
     "TISCorrection",
     "TaskConfig",
     "TaskFields",
+    "WordProblemsTaskConfig",
     "format_validation_errors",
     "kv_scales_calibrated",
     "load_recipe",

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from fp8rl.config.base import Strict
+from fp8rl.tasks.word_problems import MAX_DIFFICULTY
 
 
 class _PromptOptions(Strict):
@@ -23,6 +24,17 @@ class ArithmeticTaskConfig(_PromptOptions):
     max_operand: int = Field(20, ge=1)
     operators: tuple[Literal["+", "-", "*"], ...] = ("+", "-")
     num_operands: int = Field(2, ge=2)
+
+
+class WordProblemsTaskConfig(_PromptOptions):
+    """Built-in multi-step arithmetic word problems (``fp8rl.tasks.word_problems``): ``difficulty`` 1..6, a
+    training pool of ``train_size`` problems; the held-out set is the run's ``eval_examples`` test problems. ``seed``
+    picks the problems (the same for every run seed, so all runs are evaluated on the same held-out set)."""
+
+    type: Literal["word-problems"]
+    difficulty: int = Field(3, ge=1, le=MAX_DIFFICULTY)
+    seed: int = 0
+    train_size: int = Field(20_000, ge=1)
 
 
 class TaskFields(Strict):
@@ -62,4 +74,4 @@ class PythonRewardConfig(Strict):
 RewardConfig = Annotated[ExactMatchRewardConfig | PythonRewardConfig, Field(discriminator="type")]
 
 
-TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig, Field(discriminator="type")]
+TaskConfig = Annotated[ArithmeticTaskConfig | JsonlTaskConfig | WordProblemsTaskConfig, Field(discriminator="type")]
