@@ -10,7 +10,7 @@ WORK ?= work
 # the cluster tests (scripts/k8s_control_plane.sh): built from Go modules, cached
 K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 
-.PHONY: install demo test lint typecheck k8s-tools images clean
+.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -42,6 +42,19 @@ IMAGES ?= component
 images:
 	scripts/container_tools.sh
 	images/build.sh --local-base $(IMAGES)
+
+# The local cluster's real node (containerd, the CNI plugins; root): what the real-node tests and cluster-up need.
+node-deps:
+	scripts/container_tools.sh --node
+
+# A one-machine cluster to try the chart on (docs/helm.md): a control plane, the KubeRay operator and a real node
+# running the images of `make images`; GPU_NODES=N adds kwok nodes with fake GPUs. Root.
+GPU_NODES ?= 0
+cluster-up: k8s-tools node-deps
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py up --gpu-nodes $(GPU_NODES)
+
+cluster-down:
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down
 
 # --durations: the slowest tests, printed by every run (what CI's time goes to). The cluster and image tiers run in a
 # second pytest process beside the rest (scripts/pytest_tiers.sh); `$(BIN)/python -m pytest` runs everything in one.

@@ -25,15 +25,16 @@ def benchmark(
     """Median throughput over ``steps`` timed RL steps after ``warmup_steps`` (``fp8rl.bench.throughput``), logged
     as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty); returns that run id.
     ``profile_train``: one more step, its policy step under the profiler (``bench/train_device_ms/<category>``)."""
-    from components.runtime import kfp_tags, log_kfp_metrics, log_to_recipe_run, read_run_ref
+    from components.runtime import kfp_tags, log_kfp_metrics, log_to_recipe_run, read_run_ref, runs_fail_with_the_step
     from components.runtime import run_config as make_config
     from fp8rl.bench.throughput import benchmark_recipe
 
     ref = read_run_ref(mlflow_run)
     cfg = make_config(recipe, steps + warmup_steps + int(profile_train), seed, run_config, ref)
-    result = benchmark_recipe(
-        cfg, model.path, device, steps=steps, warmup_steps=warmup_steps, profile_train=profile_train
-    )
+    with runs_fail_with_the_step(ref, "benchmark", recipe, seed):
+        result = benchmark_recipe(
+            cfg, model.path, device, steps=steps, warmup_steps=warmup_steps, profile_train=profile_train
+        )
     run_id = log_to_recipe_run(ref, run_id, recipe, result.metrics(), kfp_tags(pipeline_name, kfp_run_id, "benchmark"))
     log_kfp_metrics(metrics, result.metrics())
     metrics.metadata["device_name"] = result.device_name

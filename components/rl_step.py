@@ -30,7 +30,14 @@ def rl_step(
     it starts and stops, or the cluster ``$RAY_ADDRESS`` / ``run_config.ray.address`` names
     (``run_config={"ray": null}``: in this process, without Ray); ``rayjob`` runs ``fp8rl train`` as a
     KubeRay RayJob (template ``rayjob_template``) and waits for it."""
-    from components.runtime import check_backend, kfp_tags, log_kfp_metrics, read_run_ref, run_metrics
+    from components.runtime import (
+        check_backend,
+        kfp_tags,
+        log_kfp_metrics,
+        read_run_ref,
+        run_metrics,
+        runs_fail_with_the_step,
+    )
     from components.runtime import run_config as make_config
 
     check_backend(backend)
@@ -39,14 +46,16 @@ def rl_step(
         run_config = {**run_config, "ray": {}}  # RayConfig's defaults: one trainer and one rollout worker
     cfg = make_config(recipe, steps, seed, run_config, ref)
     tags = kfp_tags(pipeline_name, kfp_run_id, "rl-step")
-    if backend == "local":
-        from fp8rl.experiment import tracked_run
+    with runs_fail_with_the_step(ref, "rl-step", recipe, seed):
+        if backend == "local":
+            from fp8rl.experiment import tracked_run
 
-        run_id = tracked_run(cfg, model.path, parent_run_id=ref.run_id, output_dir=trained.path, tags=tags).run_id
-    else:
-        from fp8rl.kube.rl_step import run_rl_step_as_rayjob
+            run = tracked_run(cfg, model.path, parent_run_id=ref.run_id, output_dir=trained.path, tags=tags)
+            run_id = run.run_id
+        else:
+            from fp8rl.kube.rl_step import run_rl_step_as_rayjob
 
-        run_id = run_rl_step_as_rayjob(cfg, model.path, trained.path, ref.run_id, tags, rayjob_template, timeout_s)
+            run_id = run_rl_step_as_rayjob(cfg, model.path, trained.path, ref.run_id, tags, rayjob_template, timeout_s)
     log_kfp_metrics(metrics, run_metrics(run_id, ref.work_dir, prefix="summary/"))
     trained.metadata.update({**model.metadata, "recipe": recipe, "mlflow_run_id": run_id})
     return run_id

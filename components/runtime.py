@@ -12,9 +12,10 @@ item; artifacts enter intact, on both runners.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,3 +119,48 @@ def log_to_recipe_run(
         sink.log_params(recipe_tags(recipe))
         sink.log_metrics(metrics, step=step)
         return sink.run_id
+
+
+# the MLflow tag on a comparison run that a failed step ended: which step, and its error
+TAG_FAILED_STEP = "fp8rl.failed_step"
+
+
+@contextlib.contextmanager
+def runs_fail_with_the_step(
+    ref: MlflowRunRef, component: str, recipe: str = "", seed: int | None = None
+) -> Iterator[None]:
+    """When the step fails (an exception, or SIGTERM from a cancelled run: ``fp8rl.kube.submit.Terminated``), end
+    the comparison run and this recipe's runs that are still RUNNING under it as FAILED (KILLED when terminated),
+    tagged ``fp8rl.failed_step``, instead of leaving them RUNNING for ever; then re-raise.  Other recipes' runs,
+    which may still be training, are left alone.  A failure to reach MLflow here is reported, not raised over the
+    step's own error."""
+    try:
+        yield
+    except BaseException as e:
+        status = "FAILED" if isinstance(e, Exception) else "KILLED"
+        try:
+            _end_runs(ref, component, recipe, seed, status, f"{type(e).__name__}: {e}"[:500])
+        except Exception as mark_error:  # the step's error is the one to raise; say why the runs stay RUNNING
+            print(f"[{component}] could not mark the MLflow runs {status}: {mark_error}", flush=True)
+        raise
+
+
+def _end_runs(ref: MlflowRunRef, component: str, recipe: str, seed: int | None, status: str, error: str) -> None:
+    from mlflow import MlflowClient
+
+    from fp8rl.tracking import configure_mlflow
+
+    client = MlflowClient(tracking_uri=configure_mlflow(ref.work_dir))
+    parent = client.get_run(ref.run_id)
+    query = f"tags.mlflow.parentRunId = '{ref.run_id}' and attributes.status = 'RUNNING'"
+    if recipe:
+        query += f" and tags.recipe = '{recipe}'"
+    if seed is not None:
+        query += f" and tags.seed = '{seed}'"
+    mine = client.search_runs([parent.info.experiment_id], query) if recipe else []
+    for run in [*mine, parent]:
+        if run.info.status == "RUNNING":
+            client.set_tag(run.info.run_id, TAG_FAILED_STEP, component)
+            client.set_tag(run.info.run_id, "fp8rl.error", error)
+            client.set_terminated(run.info.run_id, status)
+    print(f"[{component}] ended {len(mine)} recipe run(s) and the comparison run {ref.run_id} as {status}", flush=True)

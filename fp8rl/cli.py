@@ -303,21 +303,10 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
 
 def version_string() -> str:
     """``fp8rl 0.1.0`` plus the git commit of the source when known (a checkout, or ``FP8RL_GIT_SHA`` in images)."""
-    import os
-    import subprocess
-
     import fp8rl
+    from fp8rl.provenance import git_sha
 
-    sha = os.environ.get("FP8RL_GIT_SHA", "")
-    if not sha:
-        try:
-            proc = subprocess.run(
-                ["git", "-C", str(Path(fp8rl.__file__).resolve().parent), "rev-parse", "--short=12", "HEAD"],
-                capture_output=True, text=True, timeout=5,
-            )  # fmt: skip
-            sha = proc.stdout.strip() if proc.returncode == 0 else ""
-        except (OSError, subprocess.SubprocessError):
-            sha = ""  # no git here (an installed wheel, an image): the version alone
+    sha = git_sha()
     return f"fp8rl {fp8rl.__version__}" + (f" (git {sha})" if sha else "")
 
 

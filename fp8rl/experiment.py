@@ -21,6 +21,7 @@ from fp8rl.atomic import atomic_write_text
 from fp8rl.config import RunConfig
 from fp8rl.devices import describe_device, resolve_device
 from fp8rl.loop import RLResult, run_rl
+from fp8rl.provenance import provenance_tags
 from fp8rl.tracking import (
     MetricsSink,
     MlflowSink,
@@ -118,8 +119,10 @@ def tracked_run(
     log(f"[{run_name(cfg)}] device: {described}")
     sink = _open_run(cfg, model_dir, parent_run_id, tags, checkpoint_dir)
     with sink:
-        sink.set_tags({"fp8rl.device": described})
-        if cfg.ray is not None:
+        sink.set_tags({"fp8rl.device": described, **provenance_tags()})
+        if output_dir is not None:  # where the trained policy is written (a path on the shared volume, on a cluster)
+            sink.set_tags({"fp8rl.checkpoint_uri": str(Path(output_dir).resolve())})
+        if cfg.ray is not None:  # it tags the Ray cluster's GPUs once connected
             from fp8rl.cluster.driver import run_rl_on_ray
 
             result = run_rl_on_ray(cfg, model_dir, sink, log, output_dir, checkpoint_dir)

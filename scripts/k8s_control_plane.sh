@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local Kubernetes control plane the cluster tests (tests/cluster) start, from Go modules only:
-#   bin/kube               etcd + kube-apiserver + kube-controller-manager + kube-scheduler in one binary
-#                          (scripts/k8s-control-plane: k8s.io/kubernetes with its staging modules replaced)
+#   bin/kube               etcd + kube-apiserver + kube-controller-manager + kube-scheduler, and for the real node
+#                          kubelet + kube-proxy + CoreDNS, in one binary (scripts/k8s-control-plane:
+#                          k8s.io/kubernetes with its staging modules replaced, github.com/coredns/coredns)
 #   bin/kwok               fake nodes and pods (sigs.k8s.io/kwok)
 #   bin/ray-operator       the KubeRay operator, run out of cluster (the version the chart pins)
 #   control-plane/crds/    the KubeRay CRDs of that version
@@ -39,7 +40,7 @@ kube_stamp="$(stamp_of "$KUBERNETES_VERSION" "$(cat "$MODULE/go.mod" "$MODULE/go
 if have "$BIN/kube" "$kube_stamp"; then
     say "kube $KUBERNETES_VERSION already built"
 else
-    say "building kube $KUBERNETES_VERSION (etcd, kube-apiserver, kube-controller-manager, kube-scheduler; minutes)"
+    say "building kube $KUBERNETES_VERSION (etcd, kube-apiserver, -controller-manager, -scheduler, kubelet, kube-proxy, CoreDNS; minutes)"
     v=k8s.io/component-base/version
     build() {
         (cd "$MODULE" && GOFLAGS="-buildvcs=false -mod=readonly" CGO_ENABLED=0 go build -trimpath -o "$WORK/kube" \

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # make test's pytest on a 2-core machine, in two processes that each print their own summary (the second's when
 # both are done); the exit status is the worse of the two. Beside the bulk of the suite, the second runs the tiers
-# that mostly wait (tests/cluster: an API server, controllers, the KubeRay operator) and the two longest tests
-# (the RL-evidence runs and the local recipe-comparison pipeline), then tests/image (the container images; with
-# FP8RL_IMAGES_READY_FILE set, its tests wait for the image build that writes that file: .ci/run).
+# that mostly wait (tests/cluster: an API server, controllers, the KubeRay operator, and last the real node's tests,
+# whose pods run the built image) and the local recipe-comparison pipeline, then tests/image (the container images;
+# with FP8RL_IMAGES_READY_FILE set, its tests and the real node's wait for the image build that writes that file:
+# .ci/run).
 # Arguments go to both (e.g. -x, -k EXPR). PYTHON: the interpreter (default .venv/bin/python).
 set -uo pipefail
 py=${PYTHON:-.venv/bin/python}
-side=(tests/cluster tests/integration/test_rl_evidence.py tests/integration/test_pipeline_local.py tests/image)
+side=(tests/cluster tests/integration/test_pipeline_local.py tests/image)
 side_log=$(mktemp)
 trap 'rm -f "$side_log"' EXIT
 "$py" -m pytest -p no:cacheprovider "${side[@]}" "$@" >"$side_log" 2>&1 &

@@ -102,3 +102,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         reason = re.search(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", proc.stdout, re.MULTILINE)
         pytest.skip(f"in a process of its own: {reason[1] if reason else last}")
     return True
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-node tests run last: they wait for the image build that runs beside the tests (.ci/run) and import
+    its image into the node, so the rest of their process (scripts/pytest_tiers.sh) is not held up behind them."""
+    items.sort(key=lambda item: item.get_closest_marker("real_node") is not None)

@@ -248,6 +248,11 @@ def run_rl_on_ray(
     """``fp8rl.loop.run_rl`` on Ray actors (module docstring), replacing dead actors from checkpoints."""
     rc = cfg.ray or RayConfig()
     started = ensure_ray(rc, rc.trainer_workers + rc.rollout_workers)
+    import ray
+
+    from fp8rl.provenance import gpu_tags
+
+    sink.set_tags(gpu_tags(ray.cluster_resources()))  # the GPUs the actors run on, not the driver's
     where = "started a local Ray" if started else "using the running Ray"
     log(
         f"[{cfg.recipe.name}] {where}: {rc.trainer_workers} trainer and {rc.rollout_workers} rollout worker(s), {rc.layout} layout"

@@ -44,7 +44,7 @@ class ActorCalls:
         except GetTimeoutError:
             raise WorkerTimeout(f"{_names(what)} did not answer within {self.timeout_s:g}s") from None
         except RayActorError as e:
-            raise WorkerDied(f"{_names(what)}: actor died: {e}") from e
+            raise WorkerDied(f"{_names(what)}: actor died{_node_of(e)}: {e}") from e
         except RayTaskError as e:
             cause = getattr(e, "cause", None) or e
             raise WorkerError(f"{_names(what)} raised {type(cause).__name__}: {cause}") from cause
@@ -52,6 +52,25 @@ class ActorCalls:
 
 def _names(what: str | Sequence[str]) -> str:
     return what if isinstance(what, str) else ", ".join(what)
+
+
+def _node_of(error: Exception) -> str:
+    """`` on <host> (<ip>)`` for the Ray node the dead actor ran on, from the IP in Ray's message; on Kubernetes the
+    host name is the Ray pod's name, so the message names the pod that went away. Empty when unknown."""
+    import re
+
+    import ray
+
+    found = re.search(r"\bip: (\d+\.\d+\.\d+\.\d+)", str(error))
+    if not found:
+        return ""
+    try:
+        nodes = ray.nodes()
+    except Exception:  # the GCS itself is gone: the IP is all there is to say
+        return f" on {found.group(1)}"
+    hosts = {n.get("NodeManagerAddress"): n.get("NodeManagerHostname") for n in nodes}
+    host = hosts.get(found.group(1))
+    return f" on {host} ({found.group(1)})" if host else f" on {found.group(1)}"
 
 
 def _row_chunks(n: int, parts: int) -> list[slice]:

@@ -19,12 +19,14 @@ ourselves so that it, too, has resources, a restricted securityContext, our
 labels and the Ray token.
 
 Ray token auth (Ray >= 2.52): ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN`` from a
-Secret on every Ray container and on the submitter. This is KubeRay's "manual"
-recipe (``config/samples/ray-cluster.auth-manual.yaml``); KubeRay copies the Ray
-container's env into the ``wait-gcs-ready`` init container it injects into workers
-(``controllers/ray/common/pod.go``), so ``ray health-check`` authenticates too. We do
-not use ``rayClusterSpec.authOptions`` (KubeRay >= 1.5.1): that makes the operator
-generate its own random Secret, which clients outside the cluster cannot know.
+Secret on every Ray container and on the submitter, and ``rayClusterSpec.authOptions``
+naming that same Secret (``secretName``, KubeRay >= 1.6): the operator reads the token from
+it to ask the dashboard for the job's status. Without ``authOptions`` the operator's
+requests are refused ("Missing authentication token"), it never sees the job end, and
+the RayJob fails 30 s after its submitter finished (``JobDeploymentStatusTransitionGracePeriodExceeded``:
+found on a real node). With ``secretName`` the operator generates no Secret of its own,
+so the token stays the one clients outside the cluster know. KubeRay reads the token
+under the key ``auth_token`` only, so that is the key the Secret must use.
 """
 
 from __future__ import annotations
@@ -135,10 +137,11 @@ class Toleration(_Template):
 
 
 class WorkersSpec(_Template):
-    """One GPU worker group: ``replicas`` pods with ``gpusPerWorker`` GPUs each."""
+    """One worker group: ``replicas`` pods with ``gpusPerWorker`` GPUs each (0: CPU-only workers, for a cluster
+    without GPUs such as ``make cluster-up``'s node; the RL step then runs its CPU path)."""
 
     replicas: int = Field(1, ge=1)
-    gpus_per_worker: int = Field(1, ge=1)
+    gpus_per_worker: int = Field(1, ge=0)
     resources: Resources
     tolerations: list[Toleration] = Field(default_factory=list)
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -195,12 +198,29 @@ class RayJobTemplate(_Template):
     mlflow_auth: MlflowAuth | None = None
     ray_token_secret: SecretKeyRef | None = None
     pvc_name: str | None = None
+    # the chart's standing RayCluster (ray.enabled): jobs run on it (build_rayjob_for_cluster) instead of their own
+    ray_cluster_name: str | None = None
+    # the image's Ray (rayClusterSpec.rayVersion): KubeRay picks probes and commands by it, and refuses token auth
+    # (authOptions) without it
+    ray_version: str | None = Field(None, pattern=r"^\d+\.\d+\.\d+")
 
     @model_validator(mode="after")
     def _ttl_needs_shutdown(self) -> RayJobTemplate:
         # KubeRay rejects this combination at admission (validateDeletionConfiguration); say it before submitting.
         if self.ttl_seconds_after_finished > 0 and not self.shutdown_after_job_finishes:
             raise ValueError("ttlSecondsAfterFinished > 0 requires shutdownAfterJobFinishes: true")
+        return self
+
+    @model_validator(mode="after")
+    def _token_under_kuberays_key(self) -> RayJobTemplate:
+        # authOptions.secretName: the operator reads the token under this key only (module docstring)
+        if self.ray_token_secret is not None and not self.ray_version:
+            raise ValueError("rayTokenSecret needs rayVersion (KubeRay refuses token auth without it; Ray >= 2.52)")
+        if self.ray_token_secret is not None and self.ray_token_secret.key != "auth_token":
+            raise ValueError(
+                f"rayTokenSecret.key is {self.ray_token_secret.key!r}: KubeRay reads the Ray token from the key "
+                "'auth_token' only; store it under that key"
+            )
         return self
 
 
@@ -332,7 +352,7 @@ def _head_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]) 
 
 def _worker_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
     workers = template.workers
-    gpus = {GPU_RESOURCE: str(workers.gpus_per_worker)}
+    gpus = {GPU_RESOURCE: str(workers.gpus_per_worker)} if workers.gpus_per_worker else {}
     container = _ray_container(template, WORKER_CONTAINER, workers.resources.to_k8s(extra_limits=gpus))
     volumes, _ = _volumes(template)
     spec = _pod_spec(template, container, volumes)
@@ -420,6 +440,10 @@ def build_rayjob(
         "headGroupSpec": _head_group(template, name, labels),
         "workerGroupSpecs": [_worker_group(template, name, labels)],
     }
+    if template.ray_version:
+        spec["rayClusterSpec"]["rayVersion"] = template.ray_version
+    if template.ray_token_secret is not None:  # the operator's own dashboard requests carry the same token
+        spec["rayClusterSpec"]["authOptions"] = {"mode": "token", "secretName": template.ray_token_secret.name}
     return _rayjob(name, namespace, labels, spec, owner)
 
 
@@ -430,8 +454,10 @@ def build_rayjob_for_cluster(
     cluster_name: str,
     namespace: str = "default",
     labels: Mapping[str, str] | None = None,
+    owner: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A RayJob that runs on the existing RayCluster ``cluster_name`` (``clusterSelector``).
+    """A RayJob that runs on the existing RayCluster ``cluster_name`` (``clusterSelector``); ``owner`` as in
+    :func:`build_rayjob` (the job, not the cluster, goes with it).
 
     The cluster is not ours: no ``shutdownAfterJobFinishes``/TTL, and its pods' env is what it is, so
     ``MLFLOW_TRACKING_URI`` travels in the runtime env instead (a runtime-env value set by the template wins).
@@ -448,4 +474,4 @@ def build_rayjob_for_cluster(
     runtime_env = _runtime_env_yaml(env_vars)
     if runtime_env:
         spec["runtimeEnvYAML"] = runtime_env
-    return _rayjob(name, namespace, labels, spec)
+    return _rayjob(name, namespace, labels, spec, owner)

@@ -11,7 +11,8 @@ path under ``cfg.work_dir`` (``/data/fp8rl`` on a cluster) names the same file o
    (``model/``, copied from ``model_dir``), the run's input files (``inputs/``: a JSONL/Parquet
    task's files and a Python reward's source, ``fp8rl.tasks.bundle``) and the resolved run config
    (``run-config.yaml``) naming those copies. The KFP run id is the ``kfp.run_id`` tag (empty outside KFP).
-2. Build the RayJob from the chart's template (:func:`fp8rl.kube.rayjob.build_rayjob`); its entrypoint is
+2. Build the RayJob from the chart's template (:func:`fp8rl.kube.rayjob.build_rayjob`: a cluster of its own; or
+   ``build_rayjob_for_cluster`` when the template names the chart's standing RayCluster); its entrypoint is
    ``fp8rl train --config ... --model ... --output-dir .../trained --parent-run-id ... --work-dir ...``.
 3. :func:`fp8rl.kube.submit.submit_rayjob` creates it, streams the driver's log, and raises
    ``RayJobFailed`` naming the cause (image pull, unschedulable, OOM, the driver's traceback).
@@ -36,7 +37,7 @@ import yaml
 from fp8rl.atomic import atomic_directory, atomic_write_text
 from fp8rl.config import RunConfig
 from fp8rl.errors import UserError
-from fp8rl.kube.rayjob import MAX_NAME_LENGTH, build_rayjob, load_template
+from fp8rl.kube.rayjob import MAX_NAME_LENGTH, build_rayjob, build_rayjob_for_cluster, load_template
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 STAGE_DIR = "kfp-runs"
@@ -83,9 +84,12 @@ def stage(cfg: RunConfig, model_dir: str | Path, kfp_run_id: str) -> Path:
 
 
 def train_entrypoint(stage_dir: Path, parent_run_id: str, work_dir: str) -> list[str]:
+    """``fp8rl train`` of the staged run; its checkpoints (``checkpoint_every``) go to the shared volume, so a
+    driver that loses Ray workers resumes from them (``ray.max_restarts``), and so does a retried step."""
     return [
         "fp8rl", "train", "--config", str(stage_dir / "run-config.yaml"), "--model", str(stage_dir / "model"),
-        "--output-dir", str(stage_dir / "trained"), "--parent-run-id", parent_run_id, "--work-dir", work_dir,
+        "--output-dir", str(stage_dir / "trained"), "--checkpoint-dir", str(stage_dir / "checkpoints"),
+        "--parent-run-id", parent_run_id, "--work-dir", work_dir,
     ]  # fmt: skip
 
 
@@ -135,7 +139,11 @@ def run_rl_step_as_rayjob(
     labels = {"app.kubernetes.io/part-of": "fp8rl"}
     if re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", kfp_run_id):
         labels["fp8rl/kfp-run-id"] = kfp_run_id  # kubectl get rayjobs -l fp8rl/kfp-run-id=<id>
-    doc = build_rayjob(template, name, entrypoint, current_namespace(), labels, owner=owner_pod_reference())
+    if template.ray_cluster_name:  # the chart's standing RayCluster (ray.enabled)
+        doc = build_rayjob_for_cluster(template, name, entrypoint, template.ray_cluster_name, current_namespace(),
+                                       labels, owner=owner_pod_reference())  # fmt: skip
+    else:
+        doc = build_rayjob(template, name, entrypoint, current_namespace(), labels, owner=owner_pod_reference())
     (submit or submit_rayjob)(doc, api or KubeApis.from_environment(), timeout_s)
     run_id = find_recipe_run(cfg, parent_run_id)
     MlflowSink.attach(run_id, cfg.work_dir).set_tags(tags)

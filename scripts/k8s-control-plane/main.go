@@ -1,17 +1,22 @@
-// Command kube is a multi-call binary for a throwaway local control plane: the first argument names the
+// Command kube is a multi-call binary for a throwaway local cluster: the first argument names the
 // component and the rest are its own flags.
 //
 //	kube etcd -data-dir DIR -client-port N -peer-port N
 //	kube kube-apiserver --etcd-servers=... (kube-apiserver's flags)
 //	kube kube-controller-manager ...
 //	kube kube-scheduler ...
+//	kube kubelet ...          (a real node: runs pods through a CRI runtime such as containerd)
+//	kube kube-proxy ...       (Service virtual IPs on that node)
+//	kube coredns -conf FILE   (cluster DNS: CoreDNS with only the plugins a local cluster needs)
 //
 // One binary links the large shared Kubernetes packages once (a cold build on 2 cores takes minutes).
 // The Kubernetes components are the upstream commands from k8s.io/kubernetes/cmd/*/app; etcd is the
-// embedded server of go.etcd.io/etcd/server/v3/embed with only what a single-member test store needs.
+// embedded server of go.etcd.io/etcd/server/v3/embed with only what a single-member test store needs;
+// CoreDNS is github.com/coredns/coredns's server with the plugin list below.
 package main
 
 import (
+	"context"
 	"flag"
 	"fmt"
 	"net/url"
@@ -26,12 +31,29 @@ import (
 	_ "k8s.io/component-base/logs/json/register" // --logging-format=json, as the upstream binaries offer
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	proxy "k8s.io/kubernetes/cmd/kube-proxy/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
+
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+	// the CoreDNS plugins the local cluster's Corefile uses (each registers itself)
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/forward"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/ready"
 )
+
+// coreDNSDirectives is the order in which CoreDNS runs the plugins above (a subset of its own list).
+var coreDNSDirectives = []string{"errors", "log", "health", "ready", "kubernetes", "cache", "forward"}
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: kube {etcd|kube-apiserver|kube-controller-manager|kube-scheduler} [flags]")
+		fmt.Fprintln(os.Stderr,
+			"usage: kube {etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|coredns} [flags]")
 		os.Exit(2)
 	}
 	name, args := os.Args[1], os.Args[2:]
@@ -45,6 +67,15 @@ func main() {
 		cmd = controllermanager.NewControllerManagerCommand()
 	case "kube-scheduler":
 		cmd = scheduler.NewSchedulerCommand()
+	case "kubelet":
+		cmd = kubelet.NewKubeletCommand(context.Background())
+	case "kube-proxy":
+		cmd = proxy.NewProxyCommand()
+	case "coredns":
+		dnsserver.Directives = coreDNSDirectives
+		os.Args = append([]string{"coredns"}, args...)
+		coremain.Run()
+		return
 	default:
 		fmt.Fprintf(os.Stderr, "kube: unknown component %q\n", name)
 		os.Exit(2)

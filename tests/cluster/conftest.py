@@ -3,6 +3,11 @@
 One control plane per session (``control_plane.ControlPlane``; ~20 s to start). The binaries come from
 ``scripts/k8s_control_plane.sh`` (``make k8s-tools`` runs it); without them the tests skip, or fail under
 ``FP8RL_REQUIRE_K8S_TOOLS=1`` (CI). Every test gets a namespace of its own, deleted after it.
+
+The real-node tests (``real_node`` marker) get a second cluster of their own, ``real_cluster``: a control plane
+with a real node (``real_node.RealNode``: containerd, kubelet, kube-proxy, CoreDNS) and the component image of
+``make images`` imported into it. They skip where the node cannot start (not root, containerd or the CNI plugins
+missing, the image not built), or fail under ``FP8RL_REQUIRE_REAL_NODE=1`` (CI).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ for p in (HERE, HERE.parent):
         sys.path.insert(0, str(p))
 
 from control_plane import ControlPlane, gpu_node  # noqa: E402
+from real_node import RealNode, host_ip, missing_dependencies  # noqa: E402
 
 GPU_NODES = ("gpu-node-0", "gpu-node-1")
 
@@ -117,23 +123,109 @@ def cluster_helm(
     cluster_tools: Path, control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., Any]:
     """The pinned helm, talking to the control plane."""
+    return _helm(cluster_tools, control_plane.kubeconfig, tmp_path_factory.mktemp("helm-home"))
+
+
+def _helm(tools: Path, kubeconfig: Path, home: Path) -> Callable[..., Any]:
     import subprocess
 
-    home = tmp_path_factory.mktemp("helm-home")
     env = {
         **os.environ,
-        "KUBECONFIG": str(control_plane.kubeconfig),
+        "KUBECONFIG": str(kubeconfig),
         "HELM_CACHE_HOME": str(home / "cache"),
         "HELM_CONFIG_HOME": str(home / "config"),
         "HELM_DATA_HOME": str(home / "data"),
     }
 
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [str(cluster_tools / "bin" / "helm"), *args], capture_output=True, text=True, env=env, timeout=300
-        )
+    def run(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([str(tools / "bin" / "helm"), *args], capture_output=True, text=True, env=env,
+                              timeout=timeout)  # fmt: skip
         if check and proc.returncode != 0:
             pytest.fail(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}")
         return proc
 
     return run
+
+
+# ------------------------------------------------------------------------------------------------ real node
+
+
+class RealCluster:
+    """A control plane with one real node; ``data`` is the host directory behind the tests' data volumes."""
+
+    def __init__(self, cp: ControlPlane, node: RealNode, helm: Callable[..., Any], image: str, data: Path) -> None:
+        self.cp, self.node, self.helm, self.image, self.data = cp, node, helm, image, data
+        self.api = _api_client(cp)
+
+
+def _real_node_unavailable(why: str) -> None:
+    if os.environ.get("FP8RL_REQUIRE_REAL_NODE") == "1":
+        pytest.fail(why + " (FP8RL_REQUIRE_REAL_NODE=1)", pytrace=False)
+    pytest.skip(why)
+
+
+def _component_image() -> str:
+    """The component image of ``make images`` (waiting for a build running beside the tests, as tests/image do)."""
+    import shutil
+    import subprocess
+    import time
+
+    from components.images import COMPONENT_IMAGE
+
+    ready = os.environ.get("FP8RL_IMAGES_READY_FILE", "")
+    deadline = time.monotonic() + 3600
+    while ready and not Path(ready).is_file() and time.monotonic() < deadline:
+        time.sleep(5)
+    if ready and Path(ready).is_file() and Path(ready).read_text().strip() != "ok":
+        _real_node_unavailable(f"the image build failed: {Path(ready).read_text().strip()}")
+    ref = f"localhost/{COMPONENT_IMAGE}"
+    if shutil.which("podman") is None or subprocess.run(["podman", "image", "exists", ref]).returncode != 0:
+        _real_node_unavailable(f"image {ref} not built (make images)")
+    return ref
+
+
+@pytest.fixture(scope="session")
+def real_cluster(cluster_tools: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    import subprocess
+    import time
+
+    missing = missing_dependencies()
+    if missing:
+        _real_node_unavailable("the real node needs: " + "; ".join(missing) + " (make node-deps)")
+    kube = cluster_tools / "bin" / "kube"
+    if subprocess.run([str(kube), "kubelet", "--version"], capture_output=True).returncode != 0:
+        _real_node_unavailable(f"{kube} has no kubelet: rebuild it with scripts/k8s_control_plane.sh")
+    image = _component_image()
+    work = tmp_path_factory.mktemp("real-cluster")
+    cp = ControlPlane(cluster_tools, work / "control-plane", node_ip=host_ip(), kwok=False)
+    store = Path(os.environ.get("FP8RL_NODE_STORE") or cluster_tools.parent / "node-store")
+    node = RealNode(kube, cp.kubeconfig, cp.pki / "ca.crt", work / "node", store)
+    try:
+        cp.start()
+        node.start()
+        t0 = time.monotonic()
+        print(f"\n[real node] {node.import_local_image(image)} ({time.monotonic() - t0:.0f} s)", flush=True)
+        core = __import__("kubernetes").client.CoreV1Api(_api_client(cp))
+        _wait(lambda: any(_node_ready(n) for n in core.list_node().items), 60, "the real node Ready")
+    except BaseException:
+        node.stop()
+        cp.stop()
+        raise
+    data = work / "volumes"
+    data.mkdir(mode=0o777)
+    yield RealCluster(cp, node, _helm(cluster_tools, cp.kubeconfig, work / "helm"), image, data)
+    node.stop()
+    cp.stop()
+
+
+@pytest.fixture
+def real_namespace(real_cluster: RealCluster) -> Iterator[str]:
+    """A fresh namespace on the real cluster (deleted after the test, with its pods)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(real_cluster.api)
+    name = f"r-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    _wait(lambda: core.read_namespaced_service_account("default", name), 30, f"service account of {name}")
+    yield name
+    core.delete_namespace(name)

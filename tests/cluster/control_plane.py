@@ -93,9 +93,9 @@ def free_port() -> int:
 # ---------------------------------------------------------------------------------------- certificates
 
 
-def _write_pki(d: Path) -> None:
-    """A CA, the apiserver's serving certificate (127.0.0.1, localhost, the kubernetes Service IP), an admin
-    client certificate (group system:masters) and the service-account signing key."""
+def _write_pki(d: Path, extra_ips: tuple[str, ...] = ()) -> None:
+    """A CA, the apiserver's serving certificate (127.0.0.1, localhost, the kubernetes Service IP and
+    ``extra_ips``), an admin client certificate (group system:masters) and the service-account signing key."""
     import ipaddress
 
     from cryptography import x509
@@ -145,7 +145,7 @@ def _write_pki(d: Path) -> None:
     save("ca", ca_key, ca)
     serving_key = key()
     sans = [x509.DNSName("localhost"), x509.DNSName("kubernetes.default.svc")]
-    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", "10.0.0.1")]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", "10.0.0.1", *extra_ips)]
     serving = (
         builder(name("kube-apiserver"), ca_name, serving_key.public_key())
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
@@ -195,6 +195,12 @@ class ControlPlane:
     workdir: Path
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     server: str = ""
+    # set for a cluster with a real node (real_node.RealNode): the API server listens on this address too, so
+    # pods reach it through the ``kubernetes`` Service, and it reaches the kubelet with the admin certificate
+    node_ip: str | None = None
+    # kwok's nodes and pods: without a real node, every pod is kwok's; with one, only the GPU nodes (tainted
+    # nvidia.com/gpu, which the ExtendedResourceToleration admission plugin lets GPU pods tolerate)
+    kwok: bool = True
 
     @property
     def kubeconfig(self) -> Path:
@@ -244,7 +250,7 @@ class ControlPlane:
         t0 = time.monotonic()
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.pki.mkdir(exist_ok=True)
-        _write_pki(self.pki)
+        _write_pki(self.pki, (self.node_ip,) if self.node_ip else ())
         kube, pki = self.tools / "bin" / "kube", self.pki
         etcd_port, api_port = free_port(), free_port()
         self.server = f"https://127.0.0.1:{api_port}"
@@ -253,15 +259,21 @@ class ControlPlane:
         self._spawn("etcd", kube, "etcd", "-data-dir", self.workdir / "etcd", "-client-port", etcd_port,
                     "-peer-port", free_port())  # fmt: skip
         self._wait("etcd", lambda: "ready on" in self.log("etcd").read_text(), 60, "etcd")
+        if self.node_ip:
+            serving = ["--bind-address=0.0.0.0", f"--advertise-address={self.node_ip}",
+                       f"--kubelet-client-certificate={pki / 'admin.crt'}",
+                       f"--kubelet-client-key={pki / 'admin.key'}", "--kubelet-preferred-address-types=InternalIP",
+                       "--enable-admission-plugins=ExtendedResourceToleration"]  # fmt: skip
+        else:
+            serving = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none"]
         self._spawn(
             "kube-apiserver", kube, "kube-apiserver",
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}", "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}", *serving, f"--secure-port={api_port}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}", "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
-            "--service-cluster-ip-range=10.0.0.0/24", "--endpoint-reconciler-type=none",
+            "--service-cluster-ip-range=10.0.0.0/24",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
         )  # fmt: skip
         self._wait("kube-apiserver", lambda: self.get("/readyz") == b"ok", 120, "kube-apiserver")
@@ -273,18 +285,21 @@ class ControlPlane:
             f"--cluster-signing-key-file={pki / 'ca.key'}", "--service-cluster-ip-range=10.0.0.0/24",
         )  # fmt: skip
         self._spawn("kube-scheduler", kube, "kube-scheduler", *common)
-        stages = self.workdir / "stages.yaml"
-        docs = [p.read_text() for p in sorted((self.tools / "control-plane" / "stages").glob("*.yaml"))]
-        stages.write_text("\n---\n".join([*docs, IMAGE_PULL_ERROR_STAGE]))
-        self._spawn(
-            "kwok", self.tools / "bin" / "kwok", f"--kubeconfig={self.kubeconfig}", f"--config={stages}",
-            "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-            "--node-ip=127.0.0.1", "--cidr=10.244.0.0/16",
-        )  # fmt: skip
+        if self.kwok:
+            stages = self.workdir / "stages.yaml"
+            docs = [p.read_text() for p in sorted((self.tools / "control-plane" / "stages").glob("*.yaml"))]
+            stages.write_text("\n---\n".join([*docs, IMAGE_PULL_ERROR_STAGE]))
+            self._spawn(
+                "kwok", self.tools / "bin" / "kwok", f"--kubeconfig={self.kubeconfig}", f"--config={stages}",
+                "--manage-all-nodes=false", f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                "--node-ip=127.0.0.1", "--cidr=10.245.0.0/16",  # not the real node's pod subnet (10.244.0.0/24)
+            )  # fmt: skip
         self._install_crds()
+        # Out of cluster, the operator reaches a Ray head's dashboard through the API server's service proxy.
+        proxy = ["--use-kubernetes-proxy"] if self.node_ip else []
         self._spawn(
             "ray-operator", self.tools / "bin" / "ray-operator", f"--metrics-addr=127.0.0.1:{free_port()}",
-            f"--health-probe-bind-address=127.0.0.1:{free_port()}", "--enable-leader-election=false",
+            f"--health-probe-bind-address=127.0.0.1:{free_port()}", "--enable-leader-election=false", *proxy,
             env={"KUBECONFIG": str(self.kubeconfig)},
         )  # fmt: skip
         # the default namespace's service account exists once the controller-manager runs
@@ -328,8 +343,9 @@ class ControlPlane:
         self.procs.clear()
 
 
-def gpu_node(name: str, gpus: int = 8, cpu: str = "64", memory: str = "512Gi") -> dict[str, Any]:
-    """A kwok node with ``gpus`` ``nvidia.com/gpu`` and the labels the GPU operator sets."""
+def gpu_node(name: str, gpus: int = 8, cpu: str = "64", memory: str = "512Gi", taint: bool = False) -> dict[str, Any]:
+    """A kwok node with ``gpus`` ``nvidia.com/gpu`` and the labels the GPU operator sets; ``taint``: tainted
+    ``nvidia.com/gpu:NoSchedule`` (as managed GPU pools are), so beside a real node only GPU pods land on it."""
     capacity = {"cpu": cpu, "memory": memory, "pods": "110", "nvidia.com/gpu": str(gpus)}
     return {
         "apiVersion": "v1",
@@ -344,7 +360,7 @@ def gpu_node(name: str, gpus: int = 8, cpu: str = "64", memory: str = "512Gi") -
                 "nvidia.com/gpu.present": "true",
             },
         },
-        "spec": {},
+        "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]} if taint else {},
         "status": {"capacity": capacity, "allocatable": capacity},
     }
 

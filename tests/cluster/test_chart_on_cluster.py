@@ -210,12 +210,12 @@ def test_rbac_as_the_api_server_decides(
 def test_operator_reconciles_the_charts_raycluster_onto_gpu_nodes(
     cluster_helm: Callable[..., Any], api_client: Any, namespace: str, wait: Callable[..., Any]
 ) -> None:
-    rendered = [d for d in yaml.safe_load_all(cluster_helm("template", RELEASE, str(CHART), "-n", namespace).stdout)
-                if d]  # fmt: skip
+    standing = ["-n", namespace, "--set", "ray.enabled=true"]  # the standing RayCluster (off by default)
+    rendered = [d for d in yaml.safe_load_all(cluster_helm("template", RELEASE, str(CHART), *standing).stdout) if d]
     _bind_volumes(api_client, namespace, [d for d in rendered if d["kind"] == "PersistentVolumeClaim"])
     (rc_doc,) = [d for d in rendered if d["kind"] == "RayCluster"]
     want_workers = sum(g.get("replicas", 1) for g in rc_doc["spec"]["workerGroupSpecs"])
-    cluster_helm("install", RELEASE, str(CHART), "-n", namespace)
+    cluster_helm("install", RELEASE, str(CHART), *standing)
     core, custom = _apis(api_client)
     name = rc_doc["metadata"]["name"]
 

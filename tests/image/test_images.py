@@ -117,6 +117,13 @@ def test_runs_as_the_non_root_user_on_a_read_only_root(component_image: str) -> 
     assert tmp_ok == "tmp-ok"
 
 
+def test_kuberays_probe_command_is_there(component_image: str) -> None:
+    """KubeRay's readiness and liveness probes of Ray pods run ``wget``: without it a Ray pod is never Ready and is
+    restarted by its liveness probe (the real node showed it)."""
+    proc = run_in(component_image, "wget", "--version")
+    assert proc.returncode == 0 and "GNU Wget" in proc.stdout, proc.stderr
+
+
 def test_fp8rl_cli_help(component_image: str) -> None:
     proc = run_in(component_image, "fp8rl", "--help")
     assert proc.returncode == 0, proc.stderr
@@ -252,6 +259,7 @@ def test_runtime_image_imports_without_a_gpu(runtime_image: str) -> None:
         "print(json.dumps({n: md.version(n) for n in ('torch', 'vllm', 'transformer-engine', 'ray', 'fp8rl')}"
         " | {'cuda': torch.version.cuda, 'gpu': torch.cuda.is_available()}))"
     )
+    assert run_in(runtime_image, "wget", "--version").returncode == 0, "KubeRay's Ray pod probes run wget"
     proc = run_in(runtime_image, "python", "-c", code)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     versions = json.loads(proc.stdout.strip().splitlines()[-1])

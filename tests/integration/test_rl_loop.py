@@ -109,6 +109,15 @@ def test_cli_train_tracks_in_mlflow(tmp_path: Path, warm_model: Path) -> None:
     assert len(runs) == 1 and runs[0].data.tags["recipe"] == "fp8-e2e" and runs[0].info.status == "FINISHED"
     assert runs[0].data.params["recipe"] == "fp8-e2e" and runs[0].data.tags["fp8rl.device"] == "cpu"
     assert runs[0].data.params["fp8_linears_engine"] == runs[0].data.params["fp8_linears_trainer"] == "14"
+    # where the number came from: versions, the commit, the GPUs (none here)
+    import torch
+
+    import fp8rl
+
+    tags = runs[0].data.tags
+    assert tags["fp8rl.version"] == fp8rl.__version__ and tags["version.torch"] == torch.__version__
+    assert tags["gpu.count"] == "0" and tags["gpu.model"] == "none" and tags["version.vllm"] in ("absent", "0.26.0")
+    assert len(tags["fp8rl.git_sha"]) == 12 or tags["fp8rl.git_sha"] == "unknown"
     assert len(client.get_metric_history(runs[0].info.run_id, "mismatch/token_mult_prob_error")) == 2
     r = subprocess.run([sys.executable, "-m", "fp8rl", "train", "--recipe", "fp9"], capture_output=True, text=True)
     assert r.returncode == 2 and "not a built-in recipe" in r.stderr

@@ -28,12 +28,14 @@ from components.evaluate import evaluate
 from components.prepare_model import prepare_model
 from components.rl_step import rl_step
 from components.runtime import (
+    TAG_FAILED_STEP,
     TAG_KFP_COMPONENT,
     TAG_KFP_PIPELINE,
     TAG_KFP_RUN_ID,
     MlflowRunRef,
     read_run_ref,
     run_config,
+    runs_fail_with_the_step,
 )
 from components.sft_warmup import sft_warmup
 from components.tracking import start_tracking
@@ -265,6 +267,48 @@ def test_rl_step_refuses_an_unknown_backend(tracking: Artifact, tmp_path: Path) 
         )  # fmt: skip
 
 
+def _recipe_run(ref: MlflowRunRef, recipe: str, seed: int) -> str:
+    from fp8rl.tracking import MlflowSink, recipe_tags
+
+    sink = MlflowSink(
+        ref.experiment, f"{recipe}-s{seed}", ref.work_dir, ref.run_id, {**recipe_tags(recipe), "seed": str(seed)}
+    )
+    return sink.run_id
+
+
+@pytest.mark.parametrize(
+    ("error", "status"), [(RuntimeError("the RayJob failed"), "FAILED"), (SystemExit(143), "KILLED")]
+)
+def test_a_failing_step_ends_its_runs_and_the_comparison_run(
+    tracking: Artifact, error: BaseException, status: str
+) -> None:
+    """A step's error ends the comparison run and this recipe's RUNNING runs (FAILED, or KILLED when the pod was
+    terminated), tagged with the step; another recipe's run, still training, stays RUNNING; the error goes on."""
+    ref = read_run_ref(tracking)
+    mine, other_seed, other = (
+        _recipe_run(ref, "fp8-e2e", 0),
+        _recipe_run(ref, "fp8-e2e", 1),
+        _recipe_run(ref, "bf16", 0),
+    )
+    with pytest.raises(type(error)), runs_fail_with_the_step(ref, "rl-step", "fp8-e2e", 0):
+        raise error
+    client = MlflowClient(tracking_uri=ref.tracking_uri)
+    for run_id in (ref.run_id, mine):
+        run = client.get_run(run_id)
+        assert run.info.status == status and run.data.tags[TAG_FAILED_STEP] == "rl-step", run_id
+    assert "the RayJob failed" in client.get_run(mine).data.tags["fp8rl.error"] or status == "KILLED"
+    assert client.get_run(other).info.status == client.get_run(other_seed).info.status == "RUNNING"
+
+
+def test_a_step_that_succeeds_leaves_the_runs_running(tracking: Artifact) -> None:
+    ref = read_run_ref(tracking)
+    mine = _recipe_run(ref, "bf16", 0)
+    with runs_fail_with_the_step(ref, "evaluate", "bf16", 0):
+        pass
+    client = MlflowClient(tracking_uri=ref.tracking_uri)
+    assert client.get_run(mine).info.status == client.get_run(ref.run_id).info.status == "RUNNING"
+
+
 # ---------------------------------------------------------------- RayJob backend
 
 
@@ -324,6 +368,7 @@ def test_rayjob_backend_runs_the_cli_contract(
     stage = Path(cfg.work_dir) / "kfp-runs" / KFP_RUN / "fp8-e2e-seed0"
     assert f"--model {stage / 'model'}" in doc["spec"]["entrypoint"]
     assert f"--parent-run-id {ref.run_id}" in doc["spec"]["entrypoint"]
+    assert "--checkpoint-dir /" in doc["spec"]["entrypoint"]  # on the shared volume: a driver resumes from it
     staged = yaml.safe_load((stage / "run-config.yaml").read_text())
     assert staged["task"]["train"] == str(stage / "inputs" / "train-sums-train.jsonl")
     assert staged["reward"]["function"] == f"{stage / 'inputs' / 'reward-reward.py'}:score"
@@ -334,6 +379,32 @@ def test_rayjob_backend_runs_the_cli_contract(
     assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and "summary/final_accuracy" in run.data.metrics
     assert run.data.params["task.type"] == "jsonl" and run.data.params["reward.type"] == "python"
     assert run.data.metrics["reward/errors"] == 0
+
+
+def test_rayjob_backend_runs_on_the_standing_cluster_the_template_names(
+    tracking: Artifact, tmp_path: Path, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chart with ray.enabled names its RayCluster in rayjob.yaml: the RayJob selects it instead of bringing a
+    cluster of its own, and is still owned by the step's pod."""
+    template = tmp_path / "rayjob.yaml"
+    template.write_text(yaml.safe_dump({**TEMPLATE, "rayClusterName": "rl-fp8rl-ray"}))
+    monkeypatch.setattr(rayjob_backend, "current_namespace", lambda: "team-ns")
+    monkeypatch.setenv("FP8RL_POD_NAME", "rl-step-pod")
+    monkeypatch.setenv("FP8RL_POD_UID", "0000-1111")
+    submitted: list[dict[str, Any]] = []
+
+    def submit(doc: dict[str, Any], api: object, timeout_s: float) -> None:
+        submitted.append(doc)
+        raise RuntimeError("stop here")
+
+    cfg = run_config("bf16", 1, 0, {}, read_run_ref(tracking))
+    with pytest.raises(RuntimeError, match="stop here"):
+        rayjob_backend.run_rl_step_as_rayjob(
+            cfg, tiny_models["tiny"], tmp_path / "out", "parent", {}, template, 60, api=object(), submit=submit
+        )
+    (doc,) = submitted
+    assert doc["spec"]["clusterSelector"] == {"ray.io/cluster": "rl-fp8rl-ray"} and "rayClusterSpec" not in doc["spec"]
+    assert doc["metadata"]["ownerReferences"][0]["name"] == "rl-step-pod"
 
 
 def test_rayjob_backend_needs_the_volume(tracking: Artifact, tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ activeDeadlineSeconds: 86400
 mlflowTrackingUri: http://fp8rl-mlflow:5000
 rayTokenSecret: {name: ray-token, key: auth_token}
 pvcName: fp8rl-data
+rayVersion: "2.60.0"
 """
 
 ENTRYPOINT = ["python", "-m", "fp8rl.cluster.driver", "--config", "/data/run.yaml"]
@@ -183,6 +184,19 @@ def test_auth_off_sets_no_auth_env() -> None:
     assert "authOptions" not in doc["spec"]["rayClusterSpec"]
 
 
+def test_the_operator_reads_the_same_token_secret() -> None:
+    """authOptions names the chart's Secret: the operator's status requests to the dashboard carry the token (else
+    they are refused and the RayJob fails after its submitter ends, as a real node showed), and KubeRay generates
+    no Secret of its own; the token must be under KubeRay's key."""
+    doc = build_rayjob(parse_template(chart_data()), "fp8rl-step", "python x.py")
+    assert doc["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    assert doc["spec"]["rayClusterSpec"]["rayVersion"] == "2.60.0"  # KubeRay refuses token auth without it
+    with pytest.raises(ConfigError, match="rayTokenSecret needs rayVersion"):
+        parse_template(chart_data(rayVersion=None))
+    with pytest.raises(ConfigError, match="rayTokenSecret.key is 'token'"):
+        parse_template(chart_data(rayTokenSecret={"name": "tok", "key": "token"}))
+
+
 def test_token_secret_key_defaults_to_kuberay_convention() -> None:
     t = parse_template(chart_data(rayTokenSecret={"name": "tok"}))
     doc = build_rayjob(t, "fp8rl-step", "python x.py")
@@ -306,7 +320,7 @@ def test_snake_case_top_level_field_is_unknown(tmp_path: Path) -> None:
             "workers.replicas",
         ),
         (
-            {"workers": {"replicas": 1, "gpusPerWorker": 0, "resources": {"limits": {"cpu": 1, "memory": "1Gi"}}}},
+            {"workers": {"replicas": 1, "gpusPerWorker": -1, "resources": {"limits": {"cpu": 1, "memory": "1Gi"}}}},
             "workers.gpusPerWorker",
         ),
         ({"imagePullPolicy": "Sometimes"}, "imagePullPolicy"),

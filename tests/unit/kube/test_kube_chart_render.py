@@ -65,7 +65,7 @@ def test_every_document_validates(render, tools: Path, kube_version: str, values
 
 def test_kubeconform_rejects_an_unknown_field(render, tools: Path, kube_version: str) -> None:
     """The CLI path bites too: the same render with one misspelt RayCluster field fails."""
-    text = render().text
+    text = render(ray__enabled=True).text
     assert "maxReplicas: 4" in text
     proc = kubeconform(tools, kube_version, text.replace("maxReplicas: 4", "maxReplicas: 4\n      maxReplicaz: 4", 1))
     assert proc.returncode != 0

@@ -16,6 +16,17 @@ MLFLOW_URL = f"http://rel-fp8rl-mlflow.{NAMESPACE}.svc.cluster.local:5000"
 GPU = "nvidia.com/gpu"
 
 
+@pytest.fixture
+def render(render):
+    """The chart's renders with its standing RayCluster on (``ray.enabled``, off by default), unless a test sets
+    ``ray__enabled`` or renders values files (which say what they want)."""
+
+    def _render(*values_files, **set_values):
+        return render(*values_files, **({} if values_files else {"ray__enabled": True}) | set_values)
+
+    return _render
+
+
 def worker_group(rendered) -> dict:
     (group,) = rendered.one("RayCluster")["spec"]["workerGroupSpecs"]
     return group
@@ -56,6 +67,18 @@ def test_workers_request_the_gpus_per_worker(render) -> None:
         assert res["limits"]["memory"] == "64Gi"  # the configured resources survive the merge
 
 
+def test_rayjob_workers_may_be_cpu_only(render) -> None:
+    """gpusPerWorker 0 (a cluster without GPUs, such as make cluster-up's node): CPU workers, no GPU anywhere."""
+    from fp8rl.kube.rayjob import build_rayjob, parse_template
+
+    workers = rayjob_defaults(render(ray__worker__gpusPerWorker=0))["workers"]
+    assert workers["gpusPerWorker"] == 0 and GPU not in workers["resources"].get("limits", {})
+    template = parse_template(rayjob_defaults(render(ray__worker__gpusPerWorker=0)))
+    doc = build_rayjob(template, "cpu-job", ["true"])
+    container = doc["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert GPU not in container["resources"]["limits"] and GPU not in container["resources"]["requests"]
+
+
 def test_cpu_only_workers_and_the_head_request_no_gpu(render) -> None:
     rendered = render(ray__worker__gpusPerWorker=0, rayJob__workers__gpusPerWorker=1)
     res = ray_container(worker_group(rendered)["template"])["resources"]
@@ -87,7 +110,7 @@ def worker_group_spec(cluster_spec: dict) -> dict:
 
 
 def test_replicas_outside_min_max_fail(helm, staged_chart: Path, kube_version: str) -> None:
-    err = helm_fails(helm, staged_chart, kube_version, "ray.worker.replicas=9")
+    err = helm_fails(helm, staged_chart, kube_version, "ray.enabled=true", "ray.worker.replicas=9")
     assert "minReplicas (1) <= replicas (9) <= maxReplicas (4)" in err
 
 
@@ -402,7 +425,6 @@ def test_data_pvc(render) -> None:
 @pytest.mark.parametrize(
     ("set_json", "complaint"),
     [
-        (("ray.worker.gpusPerWorker=0",), "RayJob workers need GPUs"),
         (("ray.worker.replicas=0", "ray.worker.minReplicas=0"), "RayJob clusters need workers"),
         (("rayJob.shutdownAfterJobFinishes=false",), "needs rayJob.shutdownAfterJobFinishes: true"),
         (('rayJob.runtimeEnv={"pip": ["x"]}',), "'/rayJob/runtimeEnv'"),
@@ -429,7 +451,7 @@ def test_pods_get_no_service_links(render) -> None:
 
 
 def test_rayjob_defaults_contract(render) -> None:
-    rendered = render()
+    rendered = render(ray__enabled=False)  # the default: each RayJob brings its own cluster
     cm = rendered.one("ConfigMap", "-rayjob-defaults")
     assert cm["metadata"]["name"] == DEFAULTS_CM
     assert set(cm["data"]) == {
@@ -442,8 +464,10 @@ def test_rayjob_defaults_contract(render) -> None:
     assert set(d) == {
         "image", "imagePullPolicy", "serviceAccountName", "head", "workers", "runtimeEnv",
         "shutdownAfterJobFinishes", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
-        "mlflowTrackingUri", "rayTokenSecret", "pvcName",
+        "mlflowTrackingUri", "rayTokenSecret", "pvcName", "rayVersion",
     }  # fmt: skip
+    ray_pin = re.search(r"^ray==(\S+)$", (REPO / "constraints.txt").read_text(), re.M)
+    assert ray_pin and d["rayVersion"] == ray_pin.group(1)  # KubeRay refuses token auth without rayVersion
     assert d["image"] == "fp8rl-runtime:0.1.0" and d["imagePullPolicy"] == "IfNotPresent"
     assert d["serviceAccountName"] == "rel-fp8rl-ray"
     assert d["head"] == {
@@ -461,6 +485,20 @@ def test_rayjob_defaults_contract(render) -> None:
     assert d["pvcName"] == "rel-fp8rl-data"
     # the URL is the Service the chart renders
     assert rendered.one("Service")["metadata"]["name"] == "rel-fp8rl-mlflow"
+    assert not rendered.kinds("RayCluster")  # nothing idle by default
+
+
+def test_a_standing_raycluster_is_the_one_the_rl_steps_use(render) -> None:
+    """ray.enabled: the RayCluster, and the RayJob defaults name it, so the RL step runs its RayJob on it
+    (fp8rl.kube.rl_step: clusterSelector) instead of bringing a cluster of its own."""
+    from fp8rl.kube.rayjob import build_rayjob_for_cluster, parse_template
+
+    rendered = render(ray__enabled=True)
+    cluster = rendered.one("RayCluster")["metadata"]["name"]
+    template = parse_template(rayjob_defaults(rendered))
+    assert template.ray_cluster_name == cluster == "rel-fp8rl-ray"
+    doc = build_rayjob_for_cluster(template, "job", ["true"], template.ray_cluster_name, NAMESPACE)
+    assert doc["spec"]["clusterSelector"] == {"ray.io/cluster": cluster} and "rayClusterSpec" not in doc["spec"]
     assert rendered.one("Service")["spec"]["ports"][0]["port"] == 5000
 
 
@@ -565,7 +603,8 @@ def test_notes_tell_how_to_submit_and_open_mlflow(notes) -> None:
     assert DEFAULTS_CM in text and "rel-fp8rl-pipeline" in text
     assert "python -m pipelines.submit" in text
     assert f"kubectl -n {NAMESPACE} port-forward svc/rel-fp8rl-mlflow 5000:5000" in text
-    assert MLFLOW_URL in text and "rel-fp8rl-ray-token" in text
+    assert MLFLOW_URL in text and "RayJob that brings its own Ray cluster" in text
+    assert "rel-fp8rl-ray-token" in notes("ray.enabled=true")
     auth = notes("mlflow.auth.enabled=true")
     assert "admin-password" in auth and "rel-fp8rl-mlflow-auth" in auth
     assert "port-forward svc/rel-fp8rl-mlflow" not in notes("mlflow.enabled=false")
@@ -583,7 +622,7 @@ def test_chart_has_no_dependencies_and_installs_from_a_checkout_offline(helm, ku
     docs = [
         d for d in yaml.safe_load_all(helm("template", "rel", str(CHART), "--kube-version", kube_version).stdout) if d
     ]
-    assert any(d["kind"] == "RayCluster" for d in docs)
+    assert any(d["kind"] == "ConfigMap" for d in docs) and not any(d["kind"] == "RayCluster" for d in docs)
     lint = helm("lint", "--strict", "--kube-version", kube_version, str(CHART)).stdout
     assert "0 chart(s) failed" in lint and "[WARNING]" not in lint, lint
 

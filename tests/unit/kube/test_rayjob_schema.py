@@ -34,6 +34,7 @@ ttlSecondsAfterFinished: 300
 activeDeadlineSeconds: 86400
 mlflowTrackingUri: http://fp8rl-mlflow:5000
 rayTokenSecret: {name: ray-token, key: auth_token}
+rayVersion: "2.60.0"
 pvcName: fp8rl-data
 """
 
