@@ -186,6 +186,35 @@ def _kubeconfig(server: str, pki: Path) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- processes
 
 
+# -------------------------------------------------------------------------------------------- processes
+# (shared with real_node.RealNode)
+
+
+def spawn_logged(procs: list[tuple[str, subprocess.Popen[bytes]]], log: Path, name: str, argv: Any,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Start ``argv`` in a session of its own, stdout and stderr to ``log``; appended to ``procs``."""
+    proc = subprocess.Popen(
+        [str(a) for a in argv], stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )  # fmt: skip
+    procs.append((name, proc))
+
+
+def wait_until(procs: list[tuple[str, subprocess.Popen[bytes]]], tail: Any, what: str, ready: Any, timeout_s: float,
+               name: str, error: type[Exception]) -> None:  # fmt: skip
+    """Poll ``ready()`` until truthy; ``error`` (with the log's tail) if a process of ``procs`` exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for n, p in procs:
+            if p.poll() is not None:
+                raise error(f"{n} exited ({p.returncode}) while waiting for {what}:\n{tail(n)}")
+        with contextlib.suppress(Exception):
+            if ready():
+                return
+        time.sleep(0.25)
+    raise error(f"{what} not ready after {timeout_s:.0f}s:\n{tail(name)}")
+
+
 @dataclass
 class ControlPlane:
     """The control plane's processes; ``start()`` returns when the API server, the controllers, a kwok GPU node
@@ -214,24 +243,10 @@ class ControlPlane:
         return self.workdir / "logs" / f"{name}.log"
 
     def _spawn(self, name: str, *argv: str | Path, env: dict[str, str] | None = None) -> None:
-        out = self.log(name).open("wb")
-        proc = subprocess.Popen(
-            [str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )  # fmt: skip
-        self.procs.append((name, proc))
+        spawn_logged(self.procs, self.log(name), name, argv, env)
 
     def _wait(self, what: str, ready: Any, timeout_s: float, name: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for n, p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{n} exited ({p.returncode}) while waiting for {what}:\n{self.tail(n)}")
-            with contextlib.suppress(Exception):
-                if ready():
-                    return
-            time.sleep(0.25)
-        raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s:\n{self.tail(name)}")
+        wait_until(self.procs, self.tail, what, ready, timeout_s, name, RuntimeError)
 
     def tail(self, name: str, lines: int = 40) -> str:
         path = self.log(name)

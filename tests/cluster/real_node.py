@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from control_plane import spawn_logged, wait_until
 
 NODE_NAME = "fp8rl-node"
 NODE_LABEL = "fp8rl.dev/node"  # "real" on this node (kwok's GPU nodes say nothing)
@@ -256,21 +257,10 @@ class RealNode:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
     def _spawn(self, name: str, *argv: str | Path) -> None:
-        out = self.log(name).open("wb")
-        proc = subprocess.Popen([str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
+        spawn_logged(self.procs, self.log(name), name, argv)
 
     def _wait(self, what: str, ready: Any, timeout_s: float, name: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for n, p in self.procs:
-                if p.poll() is not None:
-                    raise NodeError(f"{n} exited ({p.returncode}) while waiting for {what}:\n{self.tail(n)}")
-            with contextlib.suppress(Exception):
-                if ready():
-                    return
-            time.sleep(0.25)
-        raise NodeError(f"{what} not ready after {timeout_s:.0f}s:\n{self.tail(name)}")
+        wait_until(self.procs, self.tail, what, ready, timeout_s, name, NodeError)
 
     def ctr(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(["ctr", "--address", str(self.socket), "--namespace", "k8s.io", *args],
