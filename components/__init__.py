@@ -8,3 +8,26 @@ in ``components.runtime``, imported from the installed ``components`` package. K
 settings (GPUs, tolerations, volumes, Secrets) are not here: the pipelines add them per task
 with ``kfp.kubernetes``, and kfp.local ignores them.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def all_components() -> dict[str, Any]:
+    """``{name: component}`` of every component, by its KFP name (``rl-step``); imports kfp and each module.
+    ``python -m pipelines.compile --components`` writes each as a YAML other pipelines can load
+    (``kfp.components.load_component_from_file``)."""
+    from components.benchmark import benchmark
+    from components.compare import compare_recipes
+    from components.convert import convert_to_fp8
+    from components.diagnose import diagnose_mismatch
+    from components.evaluate import evaluate
+    from components.prepare_model import prepare_model
+    from components.rl_step import rl_step
+    from components.sft_warmup import sft_warmup
+    from components.tracking import finish_tracking, start_tracking
+
+    found = [start_tracking, prepare_model, sft_warmup, convert_to_fp8, diagnose_mismatch, rl_step, evaluate,
+             benchmark, compare_recipes, finish_tracking]  # fmt: skip
+    return {c.name.replace("_", "-"): c for c in found}

@@ -164,3 +164,36 @@ def _end_runs(ref: MlflowRunRef, component: str, recipe: str, seed: int | None, 
             client.set_tag(run.info.run_id, "fp8rl.error", error)
             client.set_terminated(run.info.run_id, status)
     print(f"[{component}] ended {len(mine)} recipe run(s) and the comparison run {ref.run_id} as {status}", flush=True)
+
+
+# KFP's final pipeline states (``dsl.PipelineTaskFinalStatus.state``) as MLflow run statuses
+_KFP_TO_MLFLOW_STATUS = {"SUCCEEDED": "FINISHED", "CANCELED": "KILLED", "CANCELLED": "KILLED"}
+
+
+def end_kfp_run_runs(work_dir: str, experiment: str, kfp_run_id: str, kfp_state: str, error: str = "") -> list[str]:
+    """The exit handler's work: every MLflow run of KFP run ``kfp_run_id`` (tag ``kfp.run_id``) in ``experiment``
+    that is still RUNNING ends as the pipeline ended (SUCCEEDED -> FINISHED, CANCELLED -> KILLED, else FAILED),
+    tagged ``fp8rl.ended_by=exit-handler``; a failed run also gets ``fp8rl.error`` unless a step set it.  Runs a
+    step already ended keep their status.  Returns the ids of the runs it ended."""
+    from mlflow import MlflowClient
+
+    from fp8rl.tracking import configure_mlflow
+
+    status = _KFP_TO_MLFLOW_STATUS.get(kfp_state.upper(), "FAILED")
+    client = MlflowClient(tracking_uri=configure_mlflow(work_dir))
+    found = client.get_experiment_by_name(experiment)
+    if found is None:  # the start step never ran: nothing to end
+        print(f"[finish-tracking] no MLflow experiment {experiment!r}: no run to end", flush=True)
+        return []
+    query = f"tags.`{TAG_KFP_RUN_ID}` = '{kfp_run_id}' and attributes.status = 'RUNNING'"
+    ended = []
+    for run in client.search_runs([found.experiment_id], query, max_results=10_000):
+        rid = run.info.run_id
+        client.set_tag(rid, "fp8rl.ended_by", "exit-handler")
+        client.set_tag(rid, "fp8rl.kfp_state", kfp_state)
+        if status != "FINISHED" and "fp8rl.error" not in run.data.tags:
+            client.set_tag(rid, "fp8rl.error", (error or f"the KFP run ended {kfp_state}")[:500])
+        client.set_terminated(rid, status)
+        ended.append(rid)
+    print(f"[finish-tracking] KFP run {kfp_run_id} {kfp_state}: {len(ended)} MLflow run(s) ended {status}", flush=True)
+    return ended

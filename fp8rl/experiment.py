@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from fp8rl.atomic import atomic_write_text
-from fp8rl.config import RunConfig
+from fp8rl.config import JsonlTaskConfig, RunConfig
 from fp8rl.devices import describe_device, resolve_device
-from fp8rl.loop import RLResult, run_rl
+from fp8rl.loop import RLResult, run_rl, task_examples
 from fp8rl.provenance import provenance_tags
 from fp8rl.tracking import (
     MetricsSink,
@@ -31,6 +31,7 @@ from fp8rl.tracking import (
     recipe_tags,
     start_parent_run,
 )
+from fp8rl.tracking.datasets import DatasetRecord, builtin_dataset, file_dataset
 
 # metric key in the step history -> file name of its plot
 PLOTTED_METRICS: dict[str, str] = {
@@ -158,10 +159,25 @@ def _open_run(
     params["recipe_config"] = params.pop("recipe")
     sink.log_params({**params, "recipe": cfg.recipe.name, "model_dir": str(model_dir)})
     log_resolved_config(sink, cfg)
+    sink.log_datasets(run_datasets(cfg))
     if run_id_file is not None:
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_id_file, sink.run_id + "\n")
     return sink
+
+
+def run_datasets(cfg: RunConfig) -> list[DatasetRecord]:
+    """The run's training pool and held-out set as MLflow dataset inputs: the task's files, or the built-in task
+    and the settings that generate its problems."""
+    train, test = task_examples(cfg)
+    t = cfg.task
+    if isinstance(t, JsonlTaskConfig):
+        return [file_dataset(t.train, "training", train), file_dataset(t.test, "evaluation", test)]
+    settings = t.model_dump(exclude={"type", "chat_template", "system_prompt"})
+    return [
+        builtin_dataset(t.type, "train", "training", settings, train),
+        builtin_dataset(t.type, "test", "evaluation", {**settings, "eval_examples": cfg.eval_examples}, test),
+    ]
 
 
 def compare_recipes(

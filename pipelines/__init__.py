@@ -14,13 +14,16 @@ from typing import Any
 PIPELINE_NAMES = ("fp8-rl", "recipe-comparison", "fp8-benchmark")
 
 
-def get_pipelines(parallelism: int = 0) -> dict[str, Any]:
+def get_pipelines(parallelism: int = 0, retries: int | None = None) -> dict[str, Any]:
     """``{name: pipeline}`` (KFP ``GraphComponent``s) with at most ``parallelism`` recipes at a time (0: no
-    limit, as compiled for a cluster; local runs use 1). Importing them imports kfp and the components."""
+    limit, as compiled for a cluster; local runs use 1) and ``retries`` per failed step (default
+    ``pipelines.cluster.DEFAULT_RETRIES``; local runs use 0). Importing them imports kfp and the components."""
     from pipelines import fp8_benchmark, fp8_rl, recipe_comparison
+    from pipelines.cluster import DEFAULT_RETRIES
 
+    r = DEFAULT_RETRIES if retries is None else retries
     return {
-        fp8_rl.NAME: fp8_rl.fp8_rl,
-        recipe_comparison.NAME: recipe_comparison.build(parallelism),
-        fp8_benchmark.NAME: fp8_benchmark.build(parallelism),
+        fp8_rl.NAME: fp8_rl.build(r),
+        recipe_comparison.NAME: recipe_comparison.build(parallelism, r),
+        fp8_benchmark.NAME: fp8_benchmark.build(parallelism, r),
     }

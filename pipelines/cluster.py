@@ -37,14 +37,38 @@ MLFLOW_SECRET_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW
 HF_SECRET_ENV = {"token": "HF_TOKEN"}
 
 
+# A step whose pod fails (evicted, its node lost, an image pull that timed out) is retried this many times by
+# default, after RETRY_BACKOFF, doubling up to RETRY_BACKOFF_MAX. The RL step resumes from its checkpoint and MLflow
+# run; local runs (kfp.local honours retries too) use none, so that a step's error shows at once.
+DEFAULT_RETRIES = 1
+RETRY_BACKOFF, RETRY_BACKOFF_MAX = "60s", "600s"
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """CPU and memory requests of a step's pod: what the scheduler reserves (no limits: a step may use a node's
+    idle CPU; the GPU steps' nodes are sized by their GPUs)."""
+
+    cpu: str
+    memory: str
+
+
+STEP_SIZES = {
+    "small": StepSize("500m", "1Gi"),  # MLflow bookkeeping and the report: start/end tracking, compare
+    "medium": StepSize("2", "8Gi"),  # a checkpoint in host memory: prepare, SFT, convert, the RL step's driver
+    "gpu": StepSize("8", "64Gi"),  # vLLM or the trainer on one GPU: loading a checkpoint takes ~2x its size
+}
+
+
 @dataclass(frozen=True)
 class ClusterRefs:
-    """The chart objects' names, as the pipeline's parameter channels (or plain strings)."""
+    """The chart objects' names, as the pipeline's parameter channels (or plain strings), and the steps' retries."""
 
     pvc_name: Any
     rayjob_defaults: Any
     mlflow_secret: Any
     hf_secret: Any
+    retries: int = DEFAULT_RETRIES
 
 
 # the env the RL step reads its pod's identity from (fp8rl.kube.rl_step.owner_pod_reference)
@@ -59,13 +83,19 @@ def on_cluster(
     gpu: bool = False,
     rayjob: bool = False,
     hf_token: bool = False,
+    size: str = "small",
 ) -> PipelineTask:
-    """Give ``task`` the data volume, plus: MLflow settings (``tracked``), one GPU and the GPU toleration
-    (``gpu``), the RayJob template (``rayjob``), the Hugging Face token (``hf_token``).
+    """Give ``task`` its CPU and memory requests (``size``: ``STEP_SIZES``; ``gpu`` steps are ``gpu``), the retry
+    policy and the data volume, plus: MLflow settings (``tracked``), one GPU and the GPU toleration (``gpu``), the
+    RayJob template (``rayjob``), the Hugging Face token (``hf_token``).
 
     Tracked steps write to MLflow, so they are never served from KFP's cache (a cached step would
     hand out another run's MLflow ids).
     """
+    requests = STEP_SIZES["gpu" if gpu else size]
+    task.set_cpu_request(requests.cpu).set_memory_request(requests.memory)
+    if refs.retries:
+        task.set_retry(refs.retries, backoff_duration=RETRY_BACKOFF, backoff_max_duration=RETRY_BACKOFF_MAX)
     kubernetes.mount_pvc(task, pvc_name=refs.pvc_name, mount_path=DATA_MOUNT)
     if tracked:
         kubernetes.use_config_map_as_env(

@@ -1,5 +1,5 @@
-"""``python -m pipelines.compile [--output-dir DIR] [--registry REGISTRY] [--digest IMAGE=DIGEST] [NAME ...]``: write
-pipeline IR YAML.
+"""``python -m pipelines.compile [--output-dir DIR] [--registry REGISTRY] [--digest IMAGE=DIGEST] [--components]
+[NAME ...]``: write pipeline IR YAML (and, with ``--components``, each component's YAML).
 
 One file per pipeline, ``<DIR>/<pipeline name>.yaml`` (default ``dist/pipelines/``), each written
 atomically; upload it in the KFP UI or with ``kfp pipeline upload``. ``--registry`` prefixes the
@@ -68,6 +68,24 @@ def pipeline_ir(
     return docs
 
 
+def disable_caching(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every task of the pipeline spec ``docs[0]``, in every DAG, never served from KFP's cache (kfp.Client's
+    ``enable_caching=False`` reaches only the root DAG's tasks, not the steps inside the exit handler)."""
+    spec = docs[0]
+    for dag in [spec["root"], *spec.get("components", {}).values()]:
+        for task in dag.get("dag", {}).get("tasks", {}).values():
+            task.setdefault("cachingOptions", {})["enableCache"] = False
+    return docs
+
+
+def component_ir(
+    component: Any, registry: str | None = None, digests: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """A component's compiled YAML (what ``kfp.components.load_component_from_file`` reads), images as in
+    ``pipeline_ir``."""
+    return pipeline_ir(component, registry, digests)[0]
+
+
 def write_ir(docs: list[dict[str, Any]], path: Path) -> Path:
     atomic_write_text(path, yaml.safe_dump_all(docs, sort_keys=False))
     return path
@@ -91,6 +109,18 @@ def compile_all(
     ]
 
 
+def compile_components(
+    output_dir: Path, registry: str | None = None, digests: Mapping[str, str] | None = None
+) -> list[Path]:
+    """Every component as ``<output_dir>/<name>.yaml``, for pipelines of your own."""
+    from components import all_components
+
+    return [
+        write_ir([component_ir(c, registry, digests)], output_dir / f"{name}.yaml")
+        for name, c in all_components().items()
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help="pipelines to compile (default: all)")
@@ -104,10 +134,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="refer to IMAGE (fp8rl-component, fp8rl-runtime) by digest, e.g. fp8rl-runtime=sha256:<64 hex> as "
         "`images/build.sh --push` prints it; repeatable",
     )
+    parser.add_argument(
+        "--components",
+        action="store_true",
+        help="also every component, as <output-dir>/components/<name>.yaml, to reuse in pipelines of your own",
+    )
     args = parser.parse_args(argv)
     try:
         digests = parse_digests(args.digest)
-        for path in compile_all(args.output_dir, args.names, args.registry, digests):
+        paths = compile_all(args.output_dir, args.names, args.registry, digests)
+        if args.components:
+            paths += compile_components(args.output_dir / "components", args.registry, digests)
+        for path in paths:
             print(f"wrote {path}")
     except UserError as e:
         print(f"pipelines.compile: error: {e}", file=sys.stderr)

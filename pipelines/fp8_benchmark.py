@@ -3,7 +3,6 @@
 from typing import Any
 
 from kfp import dsl
-from kfp.dsl import Markdown
 
 from components.benchmark import benchmark
 from fp8rl.config import CORE_RECIPES
@@ -14,6 +13,7 @@ from pipelines.cluster import (
     DEFAULT_MLFLOW_SECRET,
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
+    DEFAULT_RETRIES,
     ClusterRefs,
     on_cluster,
 )
@@ -21,8 +21,9 @@ from pipelines.cluster import (
 NAME = "fp8-benchmark"
 
 
-def build(parallelism: int = 0) -> Any:
-    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once; ``pipelines.get_pipelines``)."""
+def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
+    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
+    (``pipelines.get_pipelines``)."""
 
     @dsl.pipeline(name=NAME, description="RL-step throughput per FP8 precision recipe: rollout, train, weight sync.")
     def fp8_benchmark(
@@ -41,21 +42,21 @@ def build(parallelism: int = 0) -> Any:
         rayjob_defaults: str = DEFAULT_RAYJOB_DEFAULTS,
         mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
         hf_secret: str = DEFAULT_HF_SECRET,
-    ) -> Markdown:
+    ) -> None:
         """Each recipe is benchmarked from the same checkpoint, as one child MLflow run of one comparison run."""
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret)
-        tracking = stages.start(NAME, experiment, work_dir, refs)
-        model = stages.prepare(model_source, seed, refs)
-        conversion = stages.convert(model, convert_recipe, refs)
-        with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
-            bench = benchmark(
-                model=model.outputs["model"], mlflow_run=tracking.outputs["mlflow_run"], recipe=recipe, seed=seed,
-                run_config=run_config, pipeline_name=NAME, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, steps=bench_steps,
-                warmup_steps=warmup_steps, device=device, profile_train=profile_train,
-            ).set_display_name("benchmark")  # fmt: skip
-            on_cluster(bench.after(conversion), refs, tracked=True, gpu=True)
-        report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
-        return report.outputs["report"]
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries)
+        with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
+            tracking = stages.start(NAME, experiment, work_dir, refs)
+            model = stages.prepare(model_source, seed, refs)
+            conversion = stages.convert(model, convert_recipe, refs)
+            with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
+                bench = benchmark(
+                    model=model.outputs["model"], mlflow_run=tracking.outputs["mlflow_run"], recipe=recipe,
+                    seed=seed, run_config=run_config, pipeline_name=NAME, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                    steps=bench_steps, warmup_steps=warmup_steps, device=device, profile_train=profile_train,
+                ).set_display_name("benchmark")  # fmt: skip
+                on_cluster(bench.after(conversion), refs, tracked=True, gpu=True)
+            stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
 
     return fp8_benchmark
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import sys
 import threading
 import time
@@ -24,8 +25,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 LOCAL_ROOT = "kfp-local"
+COMPARE_STEP = "compare-recipes"  # the task whose report every pipeline ends with
 # One recipe at a time: on a few cores, parallel steps would only slow each other and skew the benchmark.
 LOCAL_PARALLELISM = 1
+# No retries: a step's error shows at once (kfp.local honours a step's retry policy, with its backoff).
+LOCAL_RETRIES = 0
 # Parameters whose cluster defaults (in the IR) do not fit one machine.
 LOCAL_DEFAULTS: dict[str, Any] = {"backend": "local"}
 
@@ -109,14 +113,32 @@ def run_locally(
     root = Path(args["work_dir"]) / LOCAL_ROOT
     log_path = root / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=True)
+    earlier = _run_folders(root, pipeline.name)
     start = time.perf_counter()
     with _filtered_stdout(log_path, verbose), warnings.catch_warnings():
         # our images are not named "python...": kfp.local warns per step, though it never uses them
         warnings.filterwarnings("ignore", message=".*non-Python base image.*", category=RuntimeWarning)
         # display names and Kubernetes settings are for KFP; kfp.local says per step that it ignores them
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
-        task = pipeline(**args)
+        pipeline(**args)
     seconds = time.perf_counter() - start
-    report = task.output  # the pipeline's return value: the Markdown report artifact
-    table = str(report.metadata.get("table", ""))
-    return LocalRun(name, Path(report.path), table, tracking_uri, log_path, seconds)
+    report, table = _report(_run_folders(root, pipeline.name) - earlier)
+    return LocalRun(name, report, table, tracking_uri, log_path, seconds)
+
+
+def _run_folders(root: Path, pipeline: str) -> set[Path]:
+    return {p for p in root.glob(f"{pipeline}-*") if p.is_dir()}
+
+
+def _report(new_runs: set[Path]) -> tuple[Path, str]:
+    """The compare step's Markdown report and its table, from the run's folder (``<root>/<pipeline>-<time>``, one
+    per kfp.local run).  The pipelines return nothing: KFP takes no pipeline output from inside an exit handler."""
+    if len(new_runs) != 1:
+        raise RuntimeError(f"expected the folder of one kfp.local run, found {sorted(map(str, new_runs))}")
+    step = new_runs.pop() / COMPARE_STEP
+    try:
+        outputs = json.loads((step / "executor_output.json").read_text())
+        (artifact,) = outputs["artifacts"]["report"]["artifacts"]
+    except (OSError, ValueError, KeyError) as e:
+        raise RuntimeError(f"{step}: no report from the {COMPARE_STEP} step ({e!r})") from e
+    return step / "report", str(artifact.get("metadata", {}).get("table", ""))

@@ -4,7 +4,6 @@ evaluate -> benchmark) -> compare."""
 from typing import Any
 
 from kfp import dsl
-from kfp.dsl import Markdown
 
 from fp8rl.config import CORE_RECIPES
 from pipelines import stages
@@ -14,14 +13,16 @@ from pipelines.cluster import (
     DEFAULT_MLFLOW_SECRET,
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
+    DEFAULT_RETRIES,
     ClusterRefs,
 )
 
 NAME = "recipe-comparison"
 
 
-def build(parallelism: int = 0) -> Any:
-    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once; ``pipelines.get_pipelines``)."""
+def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
+    """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
+    (``pipelines.get_pipelines``)."""
 
     @dsl.pipeline(name=NAME, description="Compare FP8 precision recipes end to end: accuracy, mismatch, throughput.")
     def recipe_comparison(
@@ -43,7 +44,7 @@ def build(parallelism: int = 0) -> Any:
         hf_secret: str = DEFAULT_HF_SECRET,
         diagnose: bool = False,
         diagnose_target: float = 1.02,
-    ) -> Markdown:
+    ) -> None:
         """Every recipe starts from the same warmed-up checkpoint and is one child MLflow run of one comparison run.
 
         ``run_config``: further RunConfig fields for every recipe (e.g. ``{"grpo": {"prompts_per_step": 8}}``).
@@ -52,18 +53,18 @@ def build(parallelism: int = 0) -> Any:
         recommend the BF16 layers that bring it under ``diagnose_target`` (``fp8rl diagnose``).  It runs beside
         the RL steps (KFP lets no task outside a condition wait on one inside it); its report is advisory.
         """
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret)
-        tracking = stages.start(NAME, experiment, work_dir, refs)
-        warm = stages.warm_up(stages.prepare(model_source, seed, refs), sft_steps, refs)
-        conversion = stages.convert(warm, convert_recipe, refs)
-        params = stages.RecipeParams(seed, run_config, rl_steps, bench_steps, backend, device)
-        with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
-            rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, params, refs)
-            rl.after(conversion)
-        with dsl.If(diagnose == True):  # noqa: E712 -- a KFP condition, not a Python comparison
-            stages.diagnose(warm, convert_recipe, run_config, diagnose_target, device, refs)
-        report = stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
-        return report.outputs["report"]
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries)
+        with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
+            tracking = stages.start(NAME, experiment, work_dir, refs)
+            warm = stages.warm_up(NAME, stages.prepare(model_source, seed, refs), sft_steps, tracking, refs)
+            conversion = stages.convert(warm, convert_recipe, refs)
+            params = stages.RecipeParams(seed, run_config, rl_steps, bench_steps, backend, device)
+            with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
+                rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, params, refs)
+                rl.after(conversion)
+            with dsl.If(diagnose == True):  # noqa: E712 -- a KFP condition, not a Python comparison
+                stages.diagnose(warm, convert_recipe, run_config, diagnose_target, device, refs)
+            stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)
 
     return recipe_comparison
 

@@ -16,7 +16,7 @@ from components.evaluate import evaluate
 from components.prepare_model import prepare_model
 from components.rl_step import rl_step
 from components.sft_warmup import sft_warmup
-from components.tracking import start_tracking
+from components.tracking import finish_tracking, start_tracking
 from pipelines.cluster import ClusterRefs, on_cluster
 
 # Parameter defaults the pipelines share (KFP reads each pipeline's defaults from its signature).
@@ -52,19 +52,32 @@ def start(pipeline_name: str, experiment: Any, work_dir: Any, refs: ClusterRefs)
     return on_cluster(task, refs, tracked=True)
 
 
+def finish(experiment: Any, work_dir: Any, refs: ClusterRefs) -> PipelineTask:
+    """The exit task (``dsl.ExitHandler``): ends the run's MLflow runs still RUNNING as the pipeline ended."""
+    task = finish_tracking(
+        experiment=experiment, work_dir=work_dir, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER
+    ).set_display_name("end MLflow runs")
+    return on_cluster(task, refs, tracked=True)
+
+
 def prepare(model_source: Any, seed: Any, refs: ClusterRefs) -> PipelineTask:
     task = prepare_model(source=model_source, seed=seed).set_display_name("prepare model")
-    return on_cluster(task, refs, hf_token=True)
+    return on_cluster(task, refs, hf_token=True, size="medium")
 
 
-def warm_up(base: PipelineTask, sft_steps: Any, refs: ClusterRefs) -> PipelineTask:
-    task = sft_warmup(base_model=base.outputs["model"], steps=sft_steps).set_display_name("SFT warm-up")
-    return on_cluster(task, refs)
+def warm_up(
+    pipeline_name: str, base: PipelineTask, sft_steps: Any, tracking: PipelineTask, refs: ClusterRefs
+) -> PipelineTask:
+    task = sft_warmup(
+        base_model=base.outputs["model"], steps=sft_steps, mlflow_run=tracking.outputs["mlflow_run"],
+        pipeline_name=pipeline_name, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    ).set_display_name("SFT warm-up")  # fmt: skip
+    return on_cluster(task, refs, tracked=True, size="medium")
 
 
 def convert(model: PipelineTask, recipe: Any, refs: ClusterRefs) -> PipelineTask:
     task = convert_to_fp8(model=model.outputs["model"], recipe=recipe).set_display_name("convert to FP8")
-    return on_cluster(task, refs)
+    return on_cluster(task, refs, size="medium")
 
 
 def diagnose(
@@ -92,7 +105,7 @@ def train_evaluate_benchmark(
         model=model.outputs["model"], mlflow_run=run, steps=params.rl_steps, pipeline_name=pipeline_name,
         kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=params.backend, **common,
     ).set_display_name("RL step")  # fmt: skip
-    on_cluster(rl, refs, tracked=True, rayjob=True)
+    on_cluster(rl, refs, tracked=True, rayjob=True, size="medium")
     ev = evaluate(
         model=rl.outputs["trained"], mlflow_run=run, run_id=rl.outputs["Output"], device=params.device, **common
     )

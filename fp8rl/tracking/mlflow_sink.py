@@ -22,6 +22,7 @@ import and drops a client that an earlier import already made.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,6 +34,8 @@ from fp8rl.tracking.sink import ClosesOnExit, RunStatus, flatten_params
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+    from fp8rl.tracking.datasets import DatasetRecord
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 TELEMETRY_ENV = "MLFLOW_DISABLE_TELEMETRY"
@@ -181,6 +184,21 @@ class MlflowSink(ClosesOnExit):
         entries = [RunTag(k, str(v)) for k, v in tags.items()]
         for chunk in _chunks(entries, _PARAMS_TAGS_PER_BATCH):
             self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+
+    def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
+        """The run's dataset inputs (``fp8rl.tracking.datasets``), each tagged with its context (training or
+        evaluation), as MLflow's UI shows them under "Datasets used"."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [
+            DatasetInput(
+                Dataset(d.name, d.digest, d.source_type, json.dumps(d.source), profile=d.profile()),
+                tags=[InputTag("mlflow.data.context", d.context)],
+            )
+            for d in datasets
+        ]
+        if inputs:
+            self._client.log_inputs(self.run_id, datasets=inputs)
 
     def history(self, metric: str) -> list[tuple[int, float]]:
         """``[(step, value), ...]`` of ``metric`` as the tracking store holds it (a resumed run reads it)."""

@@ -8,6 +8,7 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,7 +16,13 @@ from fp8rl.evaluation import evaluate
 from fp8rl.models.tiny import make_tiny_model
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.tasks import ArithmeticTask
+from fp8rl.tracking.datasets import builtin_dataset
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
+
+if TYPE_CHECKING:
+    from fp8rl.tracking import MlflowSink
+
+TRAIN_POOL = 20_000  # the training problems the batches are sampled from
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,12 @@ def sft_warmup(
     log_every: int = 50,
     overwrite: bool = False,
     device: str = "cpu",
+    sink: MlflowSink | None = None,
 ) -> dict[str, float]:
-    """Train the tiny model on prompt -> answer + EOS (bf16, fp32 masters) and save it to ``out_dir``."""
+    """Train the tiny model on prompt -> answer + EOS (bf16, fp32 masters) and save it to ``out_dir``.
+
+    With ``sink`` (an MLflow run) the options are its params, the loss every ``log_every`` steps and the
+    held-out accuracy its metrics (``sft/...``), and the task's splits its dataset inputs."""
     torch.manual_seed(opts.seed)
     rng = random.Random(opts.seed)
     model, tok = make_tiny_model(opts.preset, seed=opts.seed)
@@ -55,7 +66,15 @@ def sft_warmup(
         ),
         device=device,
     )
-    train = opts.task.examples("train", 20_000)
+    train = opts.task.examples("train", TRAIN_POOL)
+    heldout = opts.task.examples("test", opts.eval_examples)
+    if sink is not None:
+        task_settings = asdict(opts.task)
+        sink.log_params({"sft": {k: v for k, v in asdict(opts).items() if k != "task"}, "task": task_settings})
+        sink.log_datasets([
+            builtin_dataset("arithmetic", "train", "training", task_settings, train),
+            builtin_dataset("arithmetic", "test", "evaluation", task_settings, heldout),
+        ])  # fmt: skip
     eos = tok.eos_token_id
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
@@ -71,15 +90,20 @@ def sft_warmup(
             mask[i, : len(a)] = 1
         metrics = trainer.sft_step(build_batch(prompts, resp, mask, tok.pad_token_id))
         if step % log_every == 0 or step == opts.steps:
+            if sink is not None:
+                sink.log_metrics({"sft/loss": metrics["sft_loss"]}, step=step)
             print(
                 f"sft step {step}/{opts.steps} loss {metrics['sft_loss']:.4f} ({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
     trainer.save_checkpoint(out_dir, tok, overwrite=overwrite)
     engine = TorchRolloutEngine(out_dir, "bf16", device=device)
-    result = evaluate(engine, tok, opts.task.examples("test", opts.eval_examples))
-    return {
+    result = evaluate(engine, tok, heldout)
+    summary = {
         "sft_loss": metrics["sft_loss"],
         "heldout_accuracy": result["accuracy"],
         "seconds": time.perf_counter() - t0,
     }
+    if sink is not None:
+        sink.log_metrics({f"sft/{k}": v for k, v in summary.items()}, step=opts.steps)
+    return summary

@@ -53,6 +53,9 @@ def test_recipe_comparison_runs_locally(
     assert parent.data.tags["kfp.pipeline"] == "recipe-comparison" and kfp_run_id
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"comparison.md", "comparison.html", "plots"}
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    (sft,) = [c for c in children if c.data.tags["kfp.component"] == "sft-warmup"]
+    assert sft.info.status == "FINISHED" and sft.data.params["sft.steps"] == "20"
+    children = [c for c in children if c is not sft]
     assert sorted(c.data.tags["recipe"] for c in children) == ["bf16", "fp8-e2e", "fp8-rollout"]
     for child in children:
         assert child.data.tags["kfp.run_id"] == kfp_run_id and child.data.tags["kfp.component"] == "rl-step"
@@ -61,7 +64,8 @@ def test_recipe_comparison_runs_locally(
         assert child.data.params["ray.trainer_workers"] == "1" and child.data.params["ray.layout"] == "split"
         # back from MLflow to KFP: the run id finds the same runs
     by_tag = client.search_runs([exp.experiment_id], f"tags.`kfp.run_id` = '{kfp_run_id}'")
-    assert len(by_tag) == 4
+    assert len(by_tag) == 5 and all(r.info.status == "FINISHED" for r in by_tag)
+    assert not any("fp8rl.ended_by" in r.data.tags for r in by_tag)  # every step ended its own run
 
     logs = list((work / "kfp-local").glob("recipe-comparison-*.log"))
     assert len(logs) == 1 and "Got executor_input" in logs[0].read_text()
@@ -70,3 +74,24 @@ def test_recipe_comparison_runs_locally(
     per_layer = json.loads(diagnosis.read_text())
     assert len(per_layer["per_layer"]) == 2 and per_layer["tmpe_all_fp8"] >= 1.0  # the tiny preset: 2 layers
     assert (diagnosis.parent / "diagnosis.md").is_file()
+
+
+def test_a_failed_run_ends_its_mlflow_runs_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step that is not tracked fails after the comparison run started (here the FP8 conversion, given a recipe
+    file that does not exist): the pipeline's exit task still runs and ends the comparison run FAILED, where it
+    used to stay RUNNING; the submit tool exits non-zero naming the failed step."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
+    work = tmp_path / "work"
+    params = ["recipe=/no/such/recipe.yaml", "sft_steps=0", "rl_steps=1", "bench_steps=1"]
+    assert main(["fp8-rl", "--local", "--work-dir", str(work), *(a for p in params for a in ("--param", p))]) == 1
+    err = capsys.readouterr().err
+    assert "convert-to-fp8" in err, err
+
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    (exp,) = [e for e in client.search_experiments() if e.name == "fp8rl"]
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`fp8rl.comparison` = 'true'")
+    assert parent.info.status == "FAILED", parent.info
+    assert parent.data.tags["fp8rl.ended_by"] == "exit-handler" and parent.data.tags["fp8rl.kfp_state"] == "FAILED"

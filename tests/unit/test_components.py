@@ -110,24 +110,39 @@ def test_prepare_rejects_a_directory_that_is_no_checkpoint(tmp_path: Path) -> No
 
 
 def test_sft_warmup_trains_the_tiny_model_and_passes_imports_through(
-    tmp_path: Path, tiny_models: dict[str, Path]
+    tmp_path: Path, tiny_models: dict[str, Path], tracking: Artifact
 ) -> None:
     base = art(Model, tmp_path, "base")
     prepare_model.python_func(source="tiny", seed=0, model=base)
     warm, metrics = art(Model, tmp_path, "warm"), art(Metrics, tmp_path, "metrics")
-    sft_warmup.python_func(base_model=base, steps=2, model=warm, metrics=metrics)
+    step = {"mlflow_run": tracking, "pipeline_name": "test-pipeline", "kfp_run_id": KFP_RUN}
+    sft_warmup.python_func(base_model=base, steps=2, model=warm, metrics=metrics, **step)
     assert (tmp_path / "warm" / "model.safetensors").is_file()
     assert warm.metadata["sft_steps"] == 2 and "sft/heldout_accuracy" in metrics.metadata
     assert (tmp_path / "warm" / "model.safetensors").read_bytes() != (
         tmp_path / "base" / "model.safetensors"
     ).read_bytes()
+    # the warm-up is an MLflow run under the comparison run: options, loss, accuracy, datasets, versions
+    ref = read_run_ref(tracking)
+    client = MlflowClient(tracking_uri=ref.tracking_uri)
+    sft = client.get_run(warm.metadata["sft_mlflow_run_id"])
+    assert sft.info.status == "FINISHED" and sft.data.tags["mlflow.parentRunId"] == ref.run_id
+    assert sft.data.tags[TAG_KFP_COMPONENT] == "sft-warmup" and sft.data.tags[TAG_KFP_RUN_ID] == KFP_RUN
+    assert "recipe" not in sft.data.tags  # not a row of the recipe comparison
+    assert sft.data.params["sft.steps"] == "2" and sft.data.params["task.max_operand"] == "20"
+    assert [m.step for m in client.get_metric_history(sft.info.run_id, "sft/loss")] == [2]
+    assert 0.0 <= sft.data.metrics["sft/heldout_accuracy"] <= 1.0 and "version.torch" in sft.data.tags
+    inputs = {d.dataset.name: d for d in sft.inputs.dataset_inputs}
+    assert set(inputs) == {"arithmetic-train", "arithmetic-test"}
+    assert {t.value for d in inputs.values() for t in d.tags} == {"training", "evaluation"}
+    assert json.loads(inputs["arithmetic-test"].dataset.profile) == {"num_rows": 200}
 
     imported = art(Model, tmp_path, "imported")
     prepare_model.python_func(source=str(tiny_models["small"]), seed=0, model=imported)
     with pytest.raises(UserError, match="set sft_steps=0"):
-        sft_warmup.python_func(base_model=imported, steps=5, model=art(Model, tmp_path, "x"), metrics=metrics)
+        sft_warmup.python_func(base_model=imported, steps=5, model=art(Model, tmp_path, "x"), metrics=metrics, **step)
     through = art(Model, tmp_path, "through")
-    sft_warmup.python_func(base_model=imported, steps=0, model=through, metrics=art(Metrics, tmp_path, "m0"))
+    sft_warmup.python_func(base_model=imported, steps=0, model=through, metrics=art(Metrics, tmp_path, "m0"), **step)
     assert (tmp_path / "through" / "model.safetensors").read_bytes() == (
         tiny_models["small"] / "model.safetensors"
     ).read_bytes()
@@ -222,6 +237,15 @@ def test_rl_evaluate_benchmark_compare(tracking: Artifact, tmp_path: Path, tiny_
         assert run.data.tags["mlflow.parentRunId"] == ref.run_id
         assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and run.data.tags[TAG_KFP_COMPONENT] == "rl-step"
         assert {"evaluate/accuracy", "bench/train_tokens_per_s", "summary/final_accuracy"} <= set(run.data.metrics)
+        # the data it trained and was evaluated on, as MLflow dataset inputs: the same for both recipes
+        inputs = {t.value: d.dataset for d in run.inputs.dataset_inputs for t in d.tags}
+        assert {k: v.name for k, v in inputs.items()} == {
+            "training": "arithmetic-train",
+            "evaluation": "arithmetic-test",
+        }
+        assert json.loads(inputs["evaluation"].source)["tags"]["eval_examples"] == str(RUN_CONFIG["eval_examples"])
+    digests = [{d.dataset.digest for d in client.get_run(r).inputs.dataset_inputs} for r in run_ids]
+    assert digests[0] == digests[1] and len(digests[0]) == 2
 
     conversion = art(Markdown, tmp_path, "conversion.md")
     (tmp_path / "conversion.md").write_text("# FP8 conversion report\n")
@@ -309,6 +333,50 @@ def test_a_step_that_succeeds_leaves_the_runs_running(tracking: Artifact) -> Non
     assert client.get_run(mine).info.status == client.get_run(ref.run_id).info.status == "RUNNING"
 
 
+@pytest.mark.parametrize(
+    ("kfp_state", "status"), [("FAILED", "FAILED"), ("CANCELLED", "KILLED"), ("SUCCEEDED", "FINISHED")]
+)
+def test_the_exit_task_ends_the_kfp_runs_mlflow_runs_as_the_pipeline_ended(
+    tracking: Artifact, kfp_state: str, status: str
+) -> None:
+    """The pipeline's exit task (``finish_tracking``) ends every run of its KFP run still RUNNING (a step killed
+    outright never could) as the pipeline ended; a run a step already ended keeps its status, and another KFP
+    run's runs are left alone."""
+    from kfp import dsl
+
+    from components.tracking import finish_tracking
+    from fp8rl.tracking import MlflowSink
+
+    ref = read_run_ref(tracking)
+    tags = {TAG_KFP_RUN_ID: KFP_RUN}
+    killed = MlflowSink(ref.experiment, "bf16-rl", ref.work_dir, ref.run_id, tags).run_id
+    done = MlflowSink(ref.experiment, "fp8-e2e-rl", ref.work_dir, ref.run_id, tags)
+    done.close("FINISHED")
+    other = MlflowSink(ref.experiment, "another", ref.work_dir, tags={TAG_KFP_RUN_ID: "another-kfp-run"}).run_id
+    final = dsl.PipelineTaskFinalStatus(
+        state=kfp_state, pipeline_job_resource_name="r", pipeline_task_name="exit-handler-1",
+        error_code=None if kfp_state == "SUCCEEDED" else 1, error_message="" if kfp_state == "SUCCEEDED" else "boom",
+    )  # fmt: skip
+    finish_tracking.python_func(experiment=ref.experiment, work_dir=ref.work_dir, kfp_run_id=KFP_RUN, status=final)
+    client = MlflowClient(tracking_uri=ref.tracking_uri)
+    for run_id in (ref.run_id, killed):
+        run = client.get_run(run_id)
+        assert run.info.status == status and run.data.tags["fp8rl.ended_by"] == "exit-handler", run_id
+        assert run.data.tags["fp8rl.kfp_state"] == kfp_state
+        assert ("fp8rl.error" in run.data.tags) is (status != "FINISHED")
+    if status != "FINISHED":
+        assert client.get_run(killed).data.tags["fp8rl.error"] == "exit-handler-1: boom"
+    assert client.get_run(done.run_id).info.status == "FINISHED"
+    assert "fp8rl.ended_by" not in client.get_run(done.run_id).data.tags
+    assert client.get_run(other).info.status == "RUNNING"
+
+
+def test_the_exit_task_without_a_started_experiment_ends_nothing(tmp_path: Path) -> None:
+    from components.runtime import end_kfp_run_runs
+
+    assert end_kfp_run_runs(str(tmp_path / "work"), "never-started", KFP_RUN, "FAILED", "prepare-model: boom") == []
+
+
 # ---------------------------------------------------------------- RayJob backend
 
 
@@ -379,6 +447,13 @@ def test_rayjob_backend_runs_the_cli_contract(
     assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and "summary/final_accuracy" in run.data.metrics
     assert run.data.params["task.type"] == "jsonl" and run.data.params["reward.type"] == "python"
     assert run.data.metrics["reward/errors"] == 0
+    # the user's files as the run's dataset inputs: where the run read them, their size and a digest of the content
+    inputs = {t.value: d.dataset for d in run.inputs.dataset_inputs for t in d.tags}
+    assert inputs["training"].source_type == "local" and inputs["training"].name == "train-sums-train.jsonl"
+    assert json.loads(inputs["training"].source) == {"uri": staged["task"]["train"]}
+    rows = sum(1 for line in (DOCS / "data" / "sums-train.jsonl").read_text().splitlines() if line.strip())
+    assert json.loads(inputs["training"].profile) == {"num_rows": rows}
+    assert inputs["evaluation"].digest != inputs["training"].digest
 
 
 def test_rayjob_backend_runs_on_the_standing_cluster_the_template_names(

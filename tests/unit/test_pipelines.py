@@ -26,20 +26,34 @@ from pipelines.cluster import (
     DEFAULT_MLFLOW_SECRET,
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
+    DEFAULT_RETRIES,
     GPU_RESOURCE,
     RAYJOB_DEFAULTS_MOUNT,
+    RETRY_BACKOFF,
+    RETRY_BACKOFF_MAX,
+    STEP_SIZES,
 )
 from pipelines.compile import compile_all, main, pipeline_ir
 
 EXECUTORS = {
     "fp8-rl": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "rl-step", "evaluate", "benchmark",
-               "compare-recipes"},
+               "compare-recipes", "finish-tracking"},
     "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "diagnose-mismatch",
-                          "rl-step", "evaluate", "benchmark", "compare-recipes"},
-    "fp8-benchmark": {"start-tracking", "prepare-model", "convert-to-fp8", "benchmark", "compare-recipes"},
+                          "rl-step", "evaluate", "benchmark", "compare-recipes", "finish-tracking"},
+    "fp8-benchmark": {"start-tracking", "prepare-model", "convert-to-fp8", "benchmark", "compare-recipes",
+                      "finish-tracking"},
 }  # fmt: skip
 GPU_STEPS = {"evaluate", "benchmark", "diagnose-mismatch"}
-TRACKED_STEPS = {"start-tracking", "rl-step", "evaluate", "benchmark", "compare-recipes"}
+MEDIUM_STEPS = {"prepare-model", "sft-warmup", "convert-to-fp8", "rl-step"}
+TRACKED_STEPS = {
+    "start-tracking",
+    "sft-warmup",
+    "rl-step",
+    "evaluate",
+    "benchmark",
+    "compare-recipes",
+    "finish-tracking",
+}
 CLUSTER_PARAMS = {
     "pvc_name": DEFAULT_PVC,
     "rayjob_defaults": DEFAULT_RAYJOB_DEFAULTS,
@@ -60,6 +74,11 @@ def executors(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def kube(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     spec = ir[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     return {k.removeprefix("exec-"): v for k, v in spec.items()}
+
+
+def body(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The tasks inside the pipeline's exit handler: every step but the exit task."""
+    return ir[0]["components"]["comp-exit-handler-1"]["dag"]["tasks"]
 
 
 def all_tasks(ir: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -125,10 +144,10 @@ def test_the_mismatch_diagnosis_runs_only_when_asked_on_the_warmed_up_model(
     irs: dict[str, list[dict[str, Any]]],
 ) -> None:
     ir = irs["recipe-comparison"]
-    (cond,) = [t for name, t in ir[0]["root"]["dag"]["tasks"].items() if name.startswith("condition-")]
+    (cond,) = [t for name, t in body(ir).items() if name.startswith("condition-")]
     assert cond["triggerPolicy"]["condition"] == "inputs.parameter_values['pipelinechannel--diagnose'] == true"
-    body = ir[0]["components"][cond["componentRef"]["name"]]["dag"]["tasks"]
-    diag = body["diagnose-mismatch"]["inputs"]
+    steps = ir[0]["components"][cond["componentRef"]["name"]]["dag"]["tasks"]
+    diag = steps["diagnose-mismatch"]["inputs"]
     assert diag["artifacts"]["model"]["componentInputArtifact"].endswith("sft-warmup-model")
     assert diag["parameters"]["recipe"] == {"componentInputParameter": "pipelinechannel--convert_recipe"}
     assert diag["parameters"]["target"] == {"componentInputParameter": "pipelinechannel--diagnose_target"}
@@ -144,35 +163,56 @@ def test_no_secret_travels_as_a_parameter(irs: dict[str, list[dict[str, Any]]], 
 
 def test_recipes_fan_out_and_are_collected(irs: dict[str, list[dict[str, Any]]]) -> None:
     ir = irs["recipe-comparison"]
-    root = ir[0]["root"]["dag"]["tasks"]
-    loop = root["for-loop-1"]
+    root = body(ir)
+    (loop_name,) = [name for name in root if name.startswith("for-loop-")]
+    loop = root[loop_name]
     assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--recipes"}
     assert "iteratorPolicy" not in loop  # all recipes at once on a cluster
-    body = ir[0]["components"]["comp-for-loop-1"]["dag"]["tasks"]
-    assert set(body) == {"rl-step", "evaluate", "benchmark"}
-    assert body["evaluate"]["dependentTasks"] == ["rl-step"]
-    assert sorted(body["benchmark"]["dependentTasks"]) == ["evaluate", "rl-step"]
-    assert body["rl-step"]["inputs"]["parameters"]["recipe"] == {
+    steps = ir[0]["components"][loop["componentRef"]["name"]]["dag"]["tasks"]
+    assert set(steps) == {"rl-step", "evaluate", "benchmark"}
+    assert steps["evaluate"]["dependentTasks"] == ["rl-step"]
+    assert sorted(steps["benchmark"]["dependentTasks"]) == ["evaluate", "rl-step"]
+    assert steps["rl-step"]["inputs"]["parameters"]["recipe"] == {
         "componentInputParameter": "pipelinechannel--recipes-loop-item"
     }
-    assert body["rl-step"]["inputs"]["artifacts"]["model"]["componentInputArtifact"].endswith("sft-warmup-model")
-    assert body["evaluate"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "rl-step"
+    assert steps["rl-step"]["inputs"]["artifacts"]["model"]["componentInputArtifact"].endswith("sft-warmup-model")
+    assert steps["evaluate"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "rl-step"
     compare = root["compare-recipes"]["inputs"]
-    assert compare["parameters"]["run_ids"]["taskOutputParameter"]["producerTask"] == "for-loop-1"
+    assert compare["parameters"]["run_ids"]["taskOutputParameter"]["producerTask"] == loop_name
     assert compare["artifacts"]["conversion_report"]["taskOutputArtifact"]["producerTask"] == "convert-to-fp8"
     assert compare["parameters"]["kfp_run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
-    assert ir[0]["root"]["outputDefinitions"]["artifacts"]["Output"]["artifactType"]["schemaTitle"] == "system.Markdown"
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_every_step_runs_inside_an_exit_handler_that_ends_the_mlflow_runs(
+    irs: dict[str, list[dict[str, Any]]], name: str
+) -> None:
+    """However the run ends (a step failed, a pod killed outright), the exit task ends the run's MLflow runs that
+    are still RUNNING; it finds them by the KFP run id, as KFP lets an exit task depend on no other task."""
+    ir = irs[name]
+    root = ir[0]["root"]["dag"]["tasks"]
+    assert set(root) == {"exit-handler-1", "finish-tracking"}
+    exit_task = root["finish-tracking"]
+    assert exit_task["triggerPolicy"] == {"strategy": "ALL_UPSTREAM_TASKS_COMPLETED"}
+    assert exit_task["dependentTasks"] == ["exit-handler-1"]
+    inputs = exit_task["inputs"]["parameters"]
+    assert inputs["status"] == {"taskFinalStatus": {"producerTask": "exit-handler-1"}}
+    assert inputs["kfp_run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_uuid}}"}}
+    assert inputs["experiment"] == {"componentInputParameter": "experiment"}
+    assert {"start-tracking", "compare-recipes"} <= set(body(ir))
+    assert "outputDefinitions" not in ir[0]["root"]  # KFP takes no pipeline output from inside an exit handler
 
 
 def test_local_build_runs_one_recipe_at_a_time() -> None:
     ir = pipeline_ir(get_pipelines(parallelism=1)["recipe-comparison"])
-    assert ir[0]["root"]["dag"]["tasks"]["for-loop-1"]["iteratorPolicy"] == {"parallelismLimit": 1}
+    (loop,) = [t for name, t in body(ir).items() if name.startswith("for-loop-")]
+    assert loop["iteratorPolicy"] == {"parallelismLimit": 1}
 
 
 @pytest.mark.parametrize("name", PIPELINE_NAMES)
 def test_tracked_steps_are_never_cached(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
     for task, spec in all_tasks(irs[name]).items():
-        if task.startswith(("for-loop", "condition-")):
+        if task.startswith(("for-loop", "condition-", "exit-handler-")):
             continue
         assert spec.get("cachingOptions", {}).get("enableCache", False) is (task not in TRACKED_STEPS), task
 
@@ -189,7 +229,7 @@ def test_kubernetes_platform_spec(irs: dict[str, list[dict[str, Any]]], name: st
         )
         gpu = step in GPU_STEPS
         assert ("tolerations" in k) is gpu, step
-        assert ("resources" in execs[step]) is gpu, step
+        assert ("accelerator" in execs[step]["resources"]) is gpu, step
         if gpu:
             assert k["tolerations"] == [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
             accel = execs[step]["resources"]["accelerator"]
@@ -261,3 +301,45 @@ def test_compile_cli_unknown_pipeline(tmp_path: Path, capsys: pytest.CaptureFixt
     assert not list(tmp_path.iterdir())
     with pytest.raises(Exception, match="unknown"):
         compile_all(tmp_path, ["nope"])
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_every_step_has_cpu_and_memory_requests_and_a_retry(irs: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """The scheduler reserves what each kind of step needs, and a step whose pod failed (evicted, node lost) is
+    retried with backoff; local builds retry nothing, so that an error shows at once."""
+    ir = irs[name]
+    for step, container in executors(ir).items():
+        size = STEP_SIZES["gpu" if step in GPU_STEPS else "medium" if step in MEDIUM_STEPS else "small"]
+        res = container["resources"]
+        assert (res["resourceCpuRequest"], res["resourceMemoryRequest"]) == (size.cpu, size.memory), step
+    steps = {t: spec for t, spec in all_tasks(ir).items() if t.replace("_", "-") in executors(ir)}
+    assert set(steps) == set(executors(ir))
+    for task, spec in steps.items():
+        assert spec["retryPolicy"] == {
+            "maxRetryCount": DEFAULT_RETRIES, "backoffDuration": RETRY_BACKOFF, "backoffFactor": 2.0,
+            "backoffMaxDuration": RETRY_BACKOFF_MAX,
+        }, task  # fmt: skip
+    local = pipeline_ir(get_pipelines(parallelism=1, retries=0)[name])
+    assert not any("retryPolicy" in spec for spec in all_tasks(local).values())
+
+
+def test_compile_cli_writes_every_component_for_reuse(tmp_path: Path) -> None:
+    """``--components``: each component's YAML, loadable by kfp and usable in a pipeline of one's own."""
+    from kfp import compiler, dsl
+    from kfp.components import load_component_from_file
+
+    assert main(["fp8-rl", "--output-dir", str(tmp_path), "--components", "--registry", "reg.example/ml"]) == 0
+    written = sorted(p.stem for p in (tmp_path / "components").glob("*.yaml"))
+    assert written == sorted(EXECUTORS["recipe-comparison"] | {"finish-tracking"})
+    prepare = load_component_from_file(str(tmp_path / "components" / "prepare-model.yaml"))
+    convert = load_component_from_file(str(tmp_path / "components" / "convert-to-fp8.yaml"))
+
+    @dsl.pipeline(name="mine")
+    def mine():  # type: ignore[no-untyped-def]  # KFP reads real annotations; this module's are strings
+        model = prepare(source="tiny", seed=3)
+        convert(model=model.outputs["model"], recipe="fp8-e2e")
+
+    compiler.Compiler().compile(mine, str(tmp_path / "mine.yaml"))
+    (spec,) = [d for d in yaml.safe_load_all((tmp_path / "mine.yaml").read_text()) if d]
+    images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
+    assert images == {f"reg.example/ml/{COMPONENT_IMAGE}"}
