@@ -126,7 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run here with kfp.local, even if a host is configured")
     p.add_argument("--work-dir", default="work", help="local runs: work dir, MLflow store and outputs (default: work)")
     p.add_argument("--verbose", action="store_true", help="local runs: show kfp.local's full executor logs")
-    k = p.add_argument_group("Kubeflow Pipelines: where")
+    _where_options(p.add_argument_group("Kubeflow Pipelines: where"))
+    _what_options(p.add_argument_group("Kubeflow Pipelines: what"))
+    return p
+
+
+def _where_options(k: argparse._ArgumentGroup) -> None:
     k.add_argument("--host", default=os.environ.get(HOST_ENV), help=f"KFP API endpoint (default: ${HOST_ENV}); "
                    "without a scheme, https:// as kfp.Client assumes")  # fmt: skip
     k.add_argument("--kube-context", default=None, help="reach KFP through this kubeconfig context's API server "
@@ -138,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--cookies", default=None, help="cookies for the KFP endpoint (e.g. an auth session)")
     k.add_argument("--ssl-ca-cert", default=None, help="CA bundle that signed the endpoint's TLS certificate")
     k.add_argument("--ui-host", default=None, help="KFP UI base URL for the printed run URL (default: --host)")
-    r = p.add_argument_group("Kubeflow Pipelines: what")
+
+
+def _what_options(r: argparse._ArgumentGroup) -> None:
     r.add_argument("--experiment", default="fp8rl", help="KFP experiment (default: %(default)s)")
     r.add_argument("--run-name", default=None, help="KFP run name (default: '<pipeline> <date time>')")
     r.add_argument(
@@ -171,7 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IMAGE=DIGEST",
         help="refer to an image by digest (as pipelines.compile --digest); repeatable",
     )
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

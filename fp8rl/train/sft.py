@@ -8,15 +8,16 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fp8rl.evaluation import evaluate
 from fp8rl.models.tiny import make_tiny_model
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
-from fp8rl.tasks import ArithmeticTask
+from fp8rl.tasks import ArithmeticTask, Example
 from fp8rl.tracking.datasets import builtin_dataset
+from fp8rl.train.batches import SequenceBatch
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 if TYPE_CHECKING:
@@ -69,26 +70,11 @@ def sft_warmup(
     train = opts.task.examples("train", TRAIN_POOL)
     heldout = opts.task.examples("test", opts.eval_examples)
     if sink is not None:
-        task_settings = asdict(opts.task)
-        sink.log_params({"sft": {k: v for k, v in asdict(opts).items() if k != "task"}, "task": task_settings})
-        sink.log_datasets([
-            builtin_dataset("arithmetic", "train", "training", task_settings, train),
-            builtin_dataset("arithmetic", "test", "evaluation", task_settings, heldout),
-        ])  # fmt: skip
-    eos = tok.eos_token_id
+        _log_inputs(sink, opts, train, heldout)
     t0 = time.perf_counter()
     metrics: dict[str, float] = {}
     for step in range(1, opts.steps + 1):
-        chunk = rng.sample(train, opts.batch_size)
-        prompts = [tok(e.prompt).input_ids for e in chunk]
-        answers = [[*tok(e.answer).input_ids, eos] for e in chunk]
-        width = max(len(a) for a in answers)
-        resp = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width))
-        for i, a in enumerate(answers):
-            resp[i, : len(a)] = torch.tensor(a)
-            mask[i, : len(a)] = 1
-        metrics = trainer.sft_step(build_batch(prompts, resp, mask, tok.pad_token_id))
+        metrics = trainer.sft_step(_answer_batch(tok, rng.sample(train, opts.batch_size)))
         if step % log_every == 0 or step == opts.steps:
             if sink is not None:
                 sink.log_metrics({"sft/loss": metrics["sft_loss"]}, step=step)
@@ -107,3 +93,26 @@ def sft_warmup(
     if sink is not None:
         sink.log_metrics({f"sft/{k}": v for k, v in summary.items()}, step=opts.steps)
     return summary
+
+
+def _answer_batch(tok: Any, chunk: list[Example]) -> SequenceBatch:
+    """Prompts and their answers + EOS, the answers padded and masked."""
+    prompts = [tok(e.prompt).input_ids for e in chunk]
+    answers = [[*tok(e.answer).input_ids, tok.eos_token_id] for e in chunk]
+    width = max(len(a) for a in answers)
+    resp = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(chunk), width))
+    for i, a in enumerate(answers):
+        resp[i, : len(a)] = torch.tensor(a)
+        mask[i, : len(a)] = 1
+    return build_batch(prompts, resp, mask, tok.pad_token_id)
+
+
+def _log_inputs(sink: MlflowSink, opts: SFTOptions, train: list[Example], heldout: list[Example]) -> None:
+    """The warm-up's options as params, and the task's splits as dataset inputs."""
+    task_settings = asdict(opts.task)
+    sink.log_params({"sft": {k: v for k, v in asdict(opts).items() if k != "task"}, "task": task_settings})
+    sink.log_datasets([
+        builtin_dataset("arithmetic", "train", "training", task_settings, train),
+        builtin_dataset("arithmetic", "test", "evaluation", task_settings, heldout),
+    ])  # fmt: skip
