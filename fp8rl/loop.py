@@ -4,9 +4,11 @@ One step, for every recipe:
 1. ``engine.generate`` samples ``group_size`` responses per prompt under ROLLOUT numerics
    and reports each sampled token's logprob from its own forward.
 2. Rewards (exact match) and GRPO advantages per group.
-3. The trainer recomputes the logprobs under TRAINING numerics; mismatch metrics compare
+3. The trainer computes the logprobs under TRAINING numerics; mismatch metrics compare
    the two, and the recipe's correction (TIS/MIS) weights or masks tokens.
-4. One PPO-clip/GRPO optimizer step (fp32 masters).
+4. One PPO-clip/GRPO optimizer step (fp32 masters).  3 happens inside 4's forwards, micro-batch
+   by micro-batch (``grpo.old_logprobs: train_forward``, ``fp8rl.train.policy_terms``), or in a
+   forward of its own before it (``recompute``).
 5. The trainer's weights are requantized with the ROLLOUT recipe and loaded into the
    engine in place with the new policy version (verified bit for bit when asked).
 6. Everything is logged to the metrics sink (MLflow in practice).
@@ -27,7 +29,15 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fp8rl.config import ConfigError, GRPOConfig, JsonlTaskConfig, RunConfig, WordProblemsTaskConfig, rollout_recipe
+from fp8rl.config import (
+    ConfigError,
+    Correction,
+    GRPOConfig,
+    JsonlTaskConfig,
+    RunConfig,
+    WordProblemsTaskConfig,
+    rollout_recipe,
+)
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.fp8_coverage import fp8_linear_counts
 from fp8rl.models.loading import load_tokenizer
@@ -49,6 +59,7 @@ from fp8rl.tasks.prompts import PromptFormat
 from fp8rl.tasks.rewards import ExactMatch, PythonReward, Reward, load_reward_function
 from fp8rl.tasks.word_problems import WordProblemTask
 from fp8rl.tracking import MetricsSink
+from fp8rl.train.policy_terms import CORRECTION, MISMATCH, ess_metric
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
 
@@ -127,6 +138,19 @@ class PolicyTrainer(Protocol):
         loss_cfg: GRPOConfig,
         temperature: float,
     ) -> dict[str, float]: ...
+
+    def policy_step_from_train_forward(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        loss_cfg: GRPOConfig,
+        correction: Correction,
+        temperature: float,
+    ) -> dict[str, float]:
+        """``policy_step`` with the old logprobs from its own forward (``fp8rl.train.policy_terms``)."""
+        ...
 
     def profile_next_policy_step(self) -> None:
         """The next policy step's metrics add its kernel time by category (``fp8rl.train.step_profile``)."""
@@ -317,12 +341,20 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     adv = grpo_advantages(rewards, g, std_normalize=cfg.grpo.std_normalize, leave_one_out=cfg.grpo.leave_one_out)
     batch = build_batch(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, engine.pad_token_id)
     t_scored = time.perf_counter()  # decode, rewards, advantages and the batch are the step's idle time
-    old_lp = trainer.compute_logprobs(batch, temperature)
-    t2 = time.perf_counter()
     mask = rollout.response_mask
-    mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
-    weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
-    train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, cfg.grpo, temperature)
+    if cfg.grpo.old_logprobs == "recompute":
+        old_lp = trainer.compute_logprobs(batch, temperature)
+        t2 = time.perf_counter()
+        mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
+        weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
+        train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, cfg.grpo, temperature)
+    else:  # the old logprobs are the train forward's: no logprob phase (fp8rl.train.policy_terms)
+        t2 = t_scored
+        train_m = trainer.policy_step_from_train_forward(
+            batch, adv, rollout.logprobs, mask, cfg.grpo, cfg.recipe.correction, temperature
+        )
+        ess = ess_metric(train_m)  # from the batch's weight moments, which it takes out of train_m
+        mm, corr = _taken(train_m, MISMATCH), {**_taken(train_m, CORRECTION), **_taken(ess, CORRECTION)}
     computed, valid = train_m.pop("tokens_computed", 0.0), train_m.pop("tokens_valid", 0.0)
     train_m["padding_waste"] = 1.0 - valid / computed if computed else 0.0  # of the tokens the forwards ran
     t3 = time.perf_counter()
@@ -359,6 +391,12 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "throughput/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
         "throughput/train_tokens_per_s": tokens / max(t3 - t_scored, 1e-9),
     }
+
+
+def _taken(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """The metrics under ``prefix``, removed from ``metrics``, with the prefix dropped."""
+    keys = [k for k in metrics if k.startswith(prefix)]
+    return {k.removeprefix(prefix): metrics.pop(k) for k in keys}
 
 
 # prompts the FP8 KV-cache scales are first calibrated on, before any rollout exists

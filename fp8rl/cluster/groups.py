@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
-from fp8rl.config import GRPOConfig
+from fp8rl.config import Correction, GRPOConfig
 from fp8rl.errors import UserError
 from fp8rl.rollout.base import Rollout, SamplingParams
+from fp8rl.train.policy_terms import MAXIMA
 from fp8rl.train.step_profile import METRIC_PREFIX as TRAIN_MS
 from fp8rl.train.trainer import SequenceBatch, policy_batch_totals
 
@@ -249,6 +250,42 @@ class TrainerGroup:
         ]
         per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
         return combine_rank_metrics(per_rank)
+
+    def policy_step_from_train_forward(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        loss_cfg: GRPOConfig,
+        correction: Correction,
+        temperature: float,
+    ) -> dict[str, float]:
+        """``policy_step`` with the old logprobs from each rank's own forward (``fp8rl.train.policy_terms``): the
+        ranks' mismatch and correction metrics are their shares of the batch's, their maxima the largest."""
+        totals = policy_batch_totals(mask)
+        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        if len(chunks) < len(self.actors):
+            raise ValueError(f"a batch of {batch.input_ids.shape[0]} rows cannot feed {len(self.actors)} trainer ranks")
+        refs = [
+            a.policy_step_from_train_forward.remote(
+                batch.slice(rows),
+                advantages[rows],
+                rollout_logprobs[rows],
+                mask[rows],
+                loss_cfg,
+                correction,
+                temperature,
+                totals,
+            )
+            for a, rows in zip(self.actors, chunks, strict=True)
+        ]
+        per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
+        out = combine_rank_metrics(per_rank)
+        for key in MAXIMA:
+            if key in out:
+                out[key] = max(m.get(key, 0.0) for m in per_rank)
+        return out
 
     def profile_next_policy_step(self) -> None:
         """Every rank profiles its next policy step (the group reports one rank's: ``combine_rank_metrics``)."""

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
-from fp8rl.config import GRPOConfig, parse_run_config
+from fp8rl.config import Correction, GRPOConfig, parse_run_config
 from fp8rl.loop import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
@@ -162,6 +162,23 @@ class TrainerWorker(_PeakMemory):
     ) -> dict[str, float]:
         metrics = self.trainer.policy_step(
             batch, advantages, old_logprobs, is_weights, loss_mask, loss_cfg, temperature, totals=totals
+        )
+        self._hand_back_cached_memory()
+        return metrics
+
+    def policy_step_from_train_forward(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        loss_cfg: GRPOConfig,
+        correction: Correction,
+        temperature: float,
+        totals: tuple[float, float],
+    ) -> dict[str, float]:
+        metrics = self.trainer.policy_step_from_train_forward(
+            batch, advantages, rollout_logprobs, mask, loss_cfg, correction, temperature, totals=totals
         )
         self._hand_back_cached_memory()
         return metrics

@@ -32,6 +32,12 @@ class GRPOConfig(Strict):
                (original GRPO), so every response weighs the same.
     kl_coef:   weight of the k3 KL(pi || pi_ref) penalty (GRPO's beta); 0 (off) as DAPO and
                Dr. GRPO.  Needs reference log-probs when non-zero.
+    old_logprobs: where the old (behaviour) policy's logprobs of the PPO ratio come from.
+               "train_forward" (default): the policy step's own forward, detached.  Exact here: one
+               optimizer step consumes the whole rollout batch (one PPO iteration, one mini-batch), so
+               the policy before the update is the behaviour policy and the ratio is 1 (TRL skips the
+               recompute when num_iterations == 1).  "recompute": a separate no-grad forward over the
+               batch before the step (the same update; one forward more).  ``fp8rl.train.policy_terms``.
     """
 
     group_size: int = Field(8, ge=2)
@@ -41,6 +47,7 @@ class GRPOConfig(Strict):
     dual_clip: float | None = Field(None, gt=1.0)
     loss_agg: LossAgg = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0)
+    old_logprobs: Literal["train_forward", "recompute"] = "train_forward"
     std_normalize: bool = True
     leave_one_out: bool = False
 

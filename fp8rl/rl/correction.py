@@ -42,13 +42,42 @@ def _ess(weights: Tensor, valid: Tensor) -> Tensor:
     return torch.where(n > 0, ess.clamp(max=1.0), 1.0)
 
 
+CORRECTION_MAXIMA = ("is_weight_max",)
+"""The metrics of :func:`correction_stats` that are maxima; ``is_ess`` is a ratio of two means
+(:func:`ess_from_moments`), the rest are means over the valid tokens."""
+
+
 def mismatch_correction(
     train_logprobs: Tensor,
     rollout_logprobs: Tensor,
     mask: Tensor,
     cfg: Correction,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Per-token IS weights and the (possibly reduced) loss mask for the mismatch.
+    """Per-token IS weights and the (possibly reduced) loss mask for the mismatch: :func:`correction_stats` with
+    its metrics read back as floats (one device-to-host copy), ``is_weight_sq_mean`` left out."""
+    weights, new_mask, stats = correction_stats(train_logprobs, rollout_logprobs, mask, cfg)
+    stats.pop("is_weight_sq_mean")
+    values = torch.stack(list(stats.values())).tolist()
+    return weights, new_mask, dict(zip(stats, values, strict=True))
+
+
+def ess_from_moments(weight_mean: Tensor, weight_sq_mean: Tensor, tokens: Tensor) -> Tensor:
+    """Normalized effective sample size from the weights' first two moments over n tokens:
+    (sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2), in [0, 1]; 1 for no tokens, 0 if every weight is 0."""
+    ess = torch.where(
+        weight_sq_mean > 0, weight_mean**2 / weight_sq_mean.clamp(min=torch.finfo(weight_mean.dtype).tiny), 0.0
+    )
+    return torch.where(tokens > 0, ess.clamp(max=1.0), 1.0)  # Cauchy-Schwarz bounds it by 1: rounding above goes
+
+
+def correction_stats(
+    train_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    cfg: Correction,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-token IS weights and the (possibly reduced) loss mask for the mismatch, and its metrics as 0-d float64
+    tensors on the inputs' device (no synchronisation with the device).
 
     ``cfg`` is the recipe's correction (``fp8rl.config``: ``NoCorrection``, ``TISCorrection`` with
     ``level`` and ``threshold`` C, or ``MISCorrection`` with ``level`` and the window [low, high]).
@@ -58,18 +87,19 @@ def mismatch_correction(
     float.  Returns ``(weights, new_mask, metrics)``: weights [N, T], float32 (float64
     for float64 inputs), detached, 0 outside ``new_mask``; new_mask [N, T] of
     ``mask``'s dtype.  With log rho = lp_train - lp_rollout (per token, or summed
-    over the sequence's valid tokens for level="sequence"):
+    over the sequence's valid tokens for level="sequence"; a row is one sequence, so
+    any set of whole rows gives the same weights as the batch):
 
         none  w = 1;                 new_mask = mask
         tis   w = exp(min(log rho, log C)) = min(rho, C);   new_mask = mask
         mis   w = 1;  new_mask = mask and log(low) <= log rho <= log(high)
 
     Metrics, over the tokens of the input ``mask`` with the final weights (a token
-    MIS drops counts as weight 0): ``is_weight_mean``, ``is_weight_max``, ``is_ess``
-    = (sum w)^2 / (n sum w^2) (1 for identical log-probs; 0 if every token was
-    dropped), and ``frac_clipped`` (tis: tokens with rho > C) or ``frac_masked``
-    (mis: tokens dropped).  At sequence level these count the tokens of the affected
-    sequences.
+    MIS drops counts as weight 0): ``is_weight_mean``, ``is_weight_max``,
+    ``is_weight_sq_mean`` (mean w^2), ``is_ess`` = (sum w)^2 / (n sum w^2) (1 for
+    identical log-probs; 0 if every token was dropped), and ``frac_clipped`` (tis:
+    tokens with rho > C) or ``frac_masked`` (mis: tokens dropped).  At sequence level
+    these count the tokens of the affected sequences.
     """
     require_same_shape(train_logprobs=train_logprobs, rollout_logprobs=rollout_logprobs, mask=mask)
     valid = as_bool_mask(mask)
@@ -93,11 +123,11 @@ def mismatch_correction(
         weights = valid.to(dtype)
 
     stats = {
-        "is_weight_mean": masked_mean(weights, valid),
-        "is_weight_max": masked_max(weights, valid),
+        "is_weight_mean": masked_mean(weights, valid).double(),
+        "is_weight_max": masked_max(weights, valid).double(),
         "is_ess": _ess(weights.double(), valid),
+        "is_weight_sq_mean": masked_mean(weights.double() ** 2, valid),
     }
     if flagged is not None:
-        stats["frac_clipped" if cfg.type == "tis" else "frac_masked"] = masked_mean(flagged.to(dtype), valid)
-    values = torch.stack([v.double() for v in stats.values()]).tolist()
-    return weights, new_mask, dict(zip(stats, values, strict=True))
+        stats["frac_clipped" if cfg.type == "tis" else "frac_masked"] = masked_mean(flagged.to(dtype), valid).double()
+    return weights, new_mask, stats

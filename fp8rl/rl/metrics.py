@@ -104,8 +104,20 @@ def bernoulli_js_divergence(lp_a: Tensor, lp_b: Tensor) -> Tensor:
     return js.clamp(min=0.0)
 
 
+MISMATCH_MAXIMA = ("rollout_probs_diff_max",)
+"""The metrics of :func:`mismatch_stats` that are maxima (the others are means over the valid tokens)."""
+
+
 def mismatch_metrics(rollout_logprobs: Tensor, train_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
-    """How far the rollout engine's token probabilities are from the trainer's.
+    """How far the rollout engine's token probabilities are from the trainer's: :func:`mismatch_stats` read back
+    as floats (one device-to-host copy)."""
+    stats = mismatch_stats(rollout_logprobs, train_logprobs, mask)
+    return dict(zip(stats, torch.stack(list(stats.values())).tolist(), strict=True))
+
+
+def mismatch_stats(rollout_logprobs: Tensor, train_logprobs: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the rollout engine's token probabilities are from the trainer's, as 0-d float64 tensors on the
+    inputs' device (no synchronisation with the device).
 
     Shapes: rollout_logprobs, train_logprobs, mask [N, T].  Computed in float64
     over the tokens of ``mask`` with ``d = lp_rollout - lp_train``,
@@ -120,7 +132,9 @@ def mismatch_metrics(rollout_logprobs: Tensor, train_logprobs: Tensor, mask: Ten
         rollout_probs_diff_max  = max_t |p - q|
         rollout_probs_diff_mean = mean_t |p - q|
 
-    An empty mask reports the values of identical log-probabilities (1 and zeros).
+    An empty mask reports the values of identical log-probabilities (1 and zeros).  Every metric but the
+    maxima (``MISMATCH_MAXIMA``) is a mean over the valid tokens, so the metrics of a batch are the
+    token-weighted sum of its parts' (and the largest of their maxima).
     """
     require_same_shape(rollout_logprobs=rollout_logprobs, train_logprobs=train_logprobs, mask=mask)
     valid = as_bool_mask(mask)
@@ -130,22 +144,11 @@ def mismatch_metrics(rollout_logprobs: Tensor, train_logprobs: Tensor, mask: Ten
     # exp(|d|) as 1 + expm1(|d|): exact for small d, and an empty mask gives 1.
     mult_err = 1.0 + masked_mean(torch.expm1(d.abs()), valid)
     prob_diff = (lp_r.exp() - lp_t.exp()).abs()
-    values = torch.stack(
-        [
-            mult_err,
-            masked_mean(torch.expm1(-d) + d, valid),
-            masked_mean(torch.expm1(d) - d, valid),
-            masked_mean(bernoulli_js_divergence(lp_r, lp_t), valid),
-            masked_max(prob_diff, valid),
-            masked_mean(prob_diff, valid),
-        ]
-    ).tolist()
-    names = (
-        "token_mult_prob_error",
-        "gen_kl",
-        "policy_kl",
-        "js_divergence",
-        "rollout_probs_diff_max",
-        "rollout_probs_diff_mean",
-    )
-    return dict(zip(names, values, strict=True))
+    return {
+        "token_mult_prob_error": mult_err,
+        "gen_kl": masked_mean(torch.expm1(-d) + d, valid),
+        "policy_kl": masked_mean(torch.expm1(d) - d, valid),
+        "js_divergence": masked_mean(bernoulli_js_divergence(lp_r, lp_t), valid),
+        "rollout_probs_diff_max": masked_max(prob_diff, valid),
+        "rollout_probs_diff_mean": masked_mean(prob_diff, valid),
+    }

@@ -86,10 +86,13 @@ class MasterWeightAdamW:
                 p.grad = None
 
     @torch.no_grad()
-    def step(self, grad_clip: float) -> float:
-        """Clip, step, copy masters into the model; returns the pre-clip global grad norm."""
+    def step(self, grad_clip: float, grad_scale: float = 1.0) -> float:
+        """Scale the summed gradients by ``grad_scale`` (where not 1: a loss whose denominators were known only
+        after the backwards), clip, step, copy masters into the model; returns the pre-clip global grad norm."""
         if self.grad_reducer is not None:
             self.grad_reducer([m.grad for m in self.master if m.grad is not None])
+        if grad_scale != 1.0:
+            torch._foreach_mul_([m.grad for m in self.master if m.grad is not None], grad_scale)
         norm = float(nn.utils.clip_grad_norm_(self.master, grad_clip))
         if math.isfinite(norm):
             with _on_device(self.offload):
@@ -261,11 +264,14 @@ class ShardedAdamW:
         here would reach the earlier micro-batches' sum too, and race the reduction in flight: the loss carries it)."""
 
     @torch.no_grad()
-    def step(self, grad_clip: float) -> float:
-        """Clip by the global norm (over all shards), step every shard; returns the pre-clip norm."""
+    def step(self, grad_clip: float, grad_scale: float = 1.0) -> float:
+        """Scale the gradients by ``grad_scale`` (where not 1), clip by the global norm (over all shards), step every
+        shard; returns the pre-clip norm."""
         for p in self.params:
             if p.grad is None:  # a parameter no micro-batch reached still takes part in the norm's collectives
                 p.grad = torch.zeros_like(p)
+            elif grad_scale != 1.0:
+                p.grad.mul_(grad_scale)
         norm = nn.utils.clip_grad_norm_(self.params, grad_clip)
         value = float(_full(norm))
         if math.isfinite(value):

@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fp8rl.atomic import atomic_directory
-from fp8rl.config import GRPOConfig
+from fp8rl.config import Correction, GRPOConfig
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.models.tiny import pin_tokenizer_class
@@ -37,7 +37,7 @@ from fp8rl.models.tokenizer import is_char_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossInput, policy_loss_stats, stats_row
 from fp8rl.rollout.kv_calibration import KVScales, timed_calibration
-from fp8rl.train.batches import MicroBatcher, SequenceBatch, micro_batch_weight
+from fp8rl.train.batches import MicroBatcher, SequenceBatch
 from fp8rl.train.batches import build_batch as build_batch  # re-exported: the trainer's callers build batches
 from fp8rl.train.batches import policy_batch_totals as policy_batch_totals
 from fp8rl.train.compiled import compile_elementwise
@@ -46,6 +46,7 @@ from fp8rl.train.fsdp import FSDPUnits
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.model_inputs import causal_padding_mask, no_mask_sdpa, prepares_masks, to_device, unpadded
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
+from fp8rl.train.policy_terms import RecomputedOld, TrainForwardOld
 from fp8rl.train.step_memory import StepMemory
 from fp8rl.train.step_profile import StepProfile, profiled_step
 from fp8rl.train.token_logprobs import token_logprobs
@@ -163,14 +164,15 @@ class TorchTrainer:
             if isinstance(m, FP8TrainLinear):
                 m.prepare()
 
-    def _optimizer_step(self) -> float:
-        """Clip and step (the pre-clip grad norm).  The FP8 linears' cached weight operands describe the weights
-        being replaced: without CUDA graphs they go before the step, so they do not sit beside AdamW's state at
-        its peak (2 bytes a parameter, of the whole model under FSDP2, where each rank caches the gathered
-        weights); with CUDA graphs they are requantized into their buffers after it."""
+    def _optimizer_step(self, grad_scale: float = 1.0) -> float:
+        """Scale the summed gradients by ``grad_scale`` (where not 1), clip and step (the pre-clip grad norm).  The
+        FP8 linears' cached weight operands describe the weights being replaced: without CUDA graphs they go before
+        the step, so they do not sit beside AdamW's state at its peak (2 bytes a parameter, of the whole model under
+        FSDP2, where each rank caches the gathered weights); with CUDA graphs they are requantized into their
+        buffers after it."""
         if self.graphs is None:
             self._weights_changed()
-        grad_norm = self.optimizer.step(self.opts.grad_clip)
+        grad_norm = self.optimizer.step(self.opts.grad_clip, grad_scale)
         if self.graphs is not None:
             self._weights_changed()
         return grad_norm
@@ -333,6 +335,41 @@ class TorchTrainer:
         ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
         """
         totals = totals or policy_batch_totals(loss_mask)
+        return self._policy_update(batch, advantages, RecomputedOld(old_logprobs, is_weights, loss_mask), loss_cfg,
+                                   temperature, totals)  # fmt: skip
+
+    @profiled_step
+    def policy_step_from_train_forward(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        loss_cfg: GRPOConfig,
+        correction: Correction,
+        temperature: float,
+        totals: tuple[float, float] | None = None,
+    ) -> dict[str, float]:
+        """``policy_step`` with the old logprobs taken from this step's own forward (no ``compute_logprobs`` before
+        it): exact because the step consumes the whole batch (``fp8rl.train.policy_terms``).  ``rollout_logprobs``
+        and ``mask`` ``[N, T]``: the engine's logprobs and the response mask; ``totals``: the mask's
+        (``policy_batch_totals``; a data-parallel rank passes the global ones).  The metrics add ``mismatch/...`` and
+        ``correction/...`` (this rank's share; ``correction/is_weight_sq_mean`` for ``ess_metric``)."""
+        totals = totals or policy_batch_totals(mask)
+        terms = TrainForwardOld(rollout_logprobs, mask, correction)
+        return self._policy_update(batch, advantages, terms, loss_cfg, temperature, totals)
+
+    def _policy_update(
+        self,
+        batch: SequenceBatch,
+        advantages: torch.Tensor,
+        source: RecomputedOld | TrainForwardOld,
+        loss_cfg: GRPOConfig,
+        temperature: float,
+        totals: tuple[float, float],
+    ) -> dict[str, float]:
+        """The micro-batches' forwards and backwards, then the optimizer step; ``source`` gives each micro-batch's
+        old logprobs, IS weights, loss mask and weight (``fp8rl.train.policy_terms``)."""
         # the metrics are summed on the device and read back once, after the optimizer step: reading a value per
         # micro-batch would make the host wait for that micro-batch's forward or backward, and the GPU then idles
         # while the host prepares and launches the next one (what FP8's shorter GEMMs expose)
@@ -341,39 +378,45 @@ class TorchTrainer:
         self._tokens = [0.0, 0.0]
         self.step_memory.start()
         for sl in self._update_slices(batch):
-            mb_mask = loss_mask[sl]
-            if float(mb_mask.sum()) == 0:
+            if float(source.host_mask(sl).sum()) == 0:
                 if self.sharded:  # the other ranks' all-gathers and reduce-scatters still need this one's
                     self._padding_pass(batch, temperature).sum().mul(0.0).backward()
                 continue
             lp = self._response_logprobs(batch.slice(sl), temperature)
+            mb = source.terms(sl, lp, loss_cfg.loss_agg, totals)
             inp = PolicyLossInput(
-                logprobs=lp,
-                old_logprobs=to_device(old_logprobs[sl], self.device),
-                advantages=to_device(advantages[sl], self.device),
-                mask=to_device(mb_mask, self.device),
-                is_weights=None if is_weights is None else to_device(is_weights[sl], self.device),
-            )
+                logprobs=lp, old_logprobs=mb.old_logprobs, advantages=to_device(advantages[sl], self.device),
+                mask=mb.loss_mask, is_weights=mb.is_weights,
+            )  # fmt: skip
             loss, stats = policy_loss_stats(inp, loss_cfg)
-            weight = micro_batch_weight(mb_mask, loss_cfg.loss_agg, totals)
-            (loss * weight).backward()
+            (loss * mb.weight).backward()
             self.optimizer.accumulate()
-            row = stats_row(stats) * weight
+            row = stats_row(stats) * mb.weight
             sums, names = (row if sums is None else sums + row), list(stats)
             # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
             # graph captured in that forward must not find the parameters' gradient nodes of this one alive
-            del lp, inp, loss, stats
-        grad_norm = self._optimizer_step()
+            del lp, inp, loss, stats, mb
+        scale = source.finish(loss_cfg.loss_agg, totals, self._all_ranks_sum)
+        grad_norm = self._optimizer_step(scale)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step_count += 1
         computed, valid = self._tokens
+        if sums is not None and scale != 1.0:
+            sums = sums * scale
         metrics = dict(zip(names, sums.tolist(), strict=True)) if sums is not None else {"loss": 0.0}
         return {
-            **metrics, "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
+            **metrics, **source.metrics(), "grad_norm": grad_norm, "lr": float(lr), "tokens_computed": computed,
             "tokens_valid": valid, **(self.graphs.stats() if self.graphs is not None else {}),
             **self.step_memory.metrics(),
         }  # fmt: skip
+
+    def _all_ranks_sum(self, t: torch.Tensor) -> None:
+        """Sum ``t`` over the data-parallel ranks in place (nothing in one process)."""
+        if self.sharded or self.optimizer.grad_reducer is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
 
     def profile_next_policy_step(self) -> None:
         """The next ``policy_step`` runs under the profiler; its metrics add ``profile/train_ms/<category>``
