@@ -143,7 +143,7 @@ argo_ldflags="-s -w -extldflags -static -X $v.version=$ARGO_VERSION -X $v.gitTag
 # The module cache is read-only and the build writes nothing into the source: build there directly.
 CGO_ENABLED=0 build workflow-controller "$argo_dir" ./cmd/workflow-controller -ldflags "$argo_ldflags"
 CGO_ENABLED=0 build argoexec "$argo_dir" ./cmd/argoexec -ldflags "$argo_ldflags"
-cp "$argo_dir"/manifests/base/crds/minimal/*.yaml "$STAGE/crds/" ||
+cp "$argo_dir"/manifests/base/crds/minimal/argoproj.io_*.yaml "$STAGE/crds/" ||
     die "Argo's CRDs are not at manifests/base/crds/minimal in $argo_dir"
 
 # --- SeaweedFS -----------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Bring the KFP API server that ``build.sh`` built up against a real Kubernetes API server, and call it.
 
-    python scripts/kfp_backend/smoke_apiserver.py --s3-endpoint 127.0.0.1:PORT [--kubeconfig FILE] [--keep]
+    python scripts/kfp_backend/smoke_apiserver.py --s3-endpoint 127.0.0.1:PORT [--kubeconfig FILE] [--db mariadb|postgres]
+        [--pipeline FILE] [--apiserver BINARY] [--keep]
 
 It starts, each in a temporary directory, each logging there:
 - a Kubernetes control plane (tests/cluster/control_plane.py, kwok nodes only, on free loopback ports), unless
@@ -11,7 +12,10 @@ It starts, each in a temporary directory, each logging there:
 - the API server (``$TOOLS/kfp-2.17.0/bin/apiserver``) out of cluster, its kubeconfig as ``$HOME/.kube/config``
   of a scratch HOME (the ScheduledWorkflow client reads only that path out of cluster);
 then calls ``kfp.Client(host=...).list_experiments()``, creates an experiment and lists it again, and prints
-``KFP APISERVER OK host=... experiments=[...]``.  The object store is an S3 endpoint given with ``--s3-endpoint``
+``KFP APISERVER OK host=... experiments=[...]``.  With ``--pipeline FILE`` (e.g. ``python -m pipelines.compile``'s
+recipe-comparison.yaml) it also installs Argo's CRDs, uploads the pipeline, starts a run and prints
+``KFP RUN CREATED run=... state=PENDING workflows=[...]``: the API server compiled the run into an Argo Workflow
+on the Kubernetes API server (no workflow controller runs here, so it goes no further).  The object store is an S3 endpoint given with ``--s3-endpoint``
 (SeaweedFS's S3 gateway, or for this smoke alone any S3 test server).  Everything it started is stopped at the
 end unless ``--keep``.
 """
@@ -151,6 +155,28 @@ def start_apiserver(work: Path, binary: Path, kubeconfig: Path, db: dict, s3: st
     return url
 
 
+def submit_run(client, kubeconfig: Path, pipeline: Path, crds: Path) -> None:
+    """Upload ``pipeline``, start a run of it, and show the Argo Workflow the API server created for it.  No
+    workflow controller runs here, so the run goes no further than the Workflow object."""
+    kubectl = ["kubectl", f"--kubeconfig={kubeconfig}"]
+    subprocess.run([*kubectl, "create", "namespace", "kubeflow"], check=True, capture_output=True)
+    for crd in sorted(crds.glob("*.yaml")):
+        if crd.name != "kustomization.yaml":
+            done = subprocess.run([*kubectl, "create", "-f", crd], capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"kfp-smoke: kubectl create -f {crd}: {done.stderr.strip()}")
+    uploaded = client.upload_pipeline(str(pipeline), pipeline_name=f"{pipeline.stem}-smoke")
+    _say(f"uploaded {pipeline.name}: pipeline id {uploaded.pipeline_id}")
+    run = client.create_run_from_pipeline_package(str(pipeline), arguments={}, run_name=f"{pipeline.stem}-smoke",
+                                                  experiment_name="fp8rl-smoke", enable_caching=False)  # fmt: skip
+    _say(f"run {run.run_id} created")
+    time.sleep(3)
+    wfs = subprocess.run([*kubectl, "get", "workflows.argoproj.io", "-n", "kubeflow", "-o", "name"],
+                         check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    state = client.get_run(run.run_id).state
+    print(f"KFP RUN CREATED run={run.run_id} state={state} workflows={wfs}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kubeconfig", type=Path, help="a running cluster's kubeconfig (default: start a control plane)")
@@ -162,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the API server binary (default: build.sh's, in the tools cache)",
     )
     p.add_argument("--db", choices=("mariadb", "postgres"), default="mariadb", help="the database (default mariadb)")
+    p.add_argument("--pipeline", type=Path, help="a compiled pipeline YAML: upload it and start a run of it")
+    p.add_argument("--argo-crds", type=Path, default=TOOLS / f"kfp-{KFP_VERSION}" / "crds",
+                   help="Argo's CRDs, installed before the run (default: build.sh's)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="leave everything running (prints the work directory)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kfp-smoke."))
@@ -188,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [e.display_name for e in client.list_experiments().experiments or []]
         _say(f"experiments before: {before.total_size}; after create: {names}")
         print(f"KFP APISERVER OK host={url} experiments={names}", flush=True)
+        if args.pipeline:
+            submit_run(client, kubeconfig, args.pipeline, args.argo_crds)
         return 0
     finally:
         if args.keep:
