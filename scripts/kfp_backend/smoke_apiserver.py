@@ -1,7 +1,7 @@
 """Bring the KFP API server that ``build.sh`` built up against a real Kubernetes API server, and call it.
 
     python scripts/kfp_backend/smoke_apiserver.py --s3-endpoint 127.0.0.1:PORT [--kubeconfig FILE] [--db mariadb|postgres]
-        [--pipeline FILE] [--apiserver BINARY] [--keep]
+        [--pipeline FILE [--driver BINARY --mlmd-python PYTHON]] [--apiserver BINARY] [--keep]
 
 It starts, each in a temporary directory, each logging there:
 - a Kubernetes control plane (tests/cluster/control_plane.py, kwok nodes only, on free loopback ports), unless
@@ -15,7 +15,9 @@ then calls ``kfp.Client(host=...).list_experiments()``, creates an experiment an
 ``KFP APISERVER OK host=... experiments=[...]``.  With ``--pipeline FILE`` (e.g. ``python -m pipelines.compile``'s
 recipe-comparison.yaml) it also installs Argo's CRDs, uploads the pipeline, starts a run and prints
 ``KFP RUN CREATED run=... state=PENDING workflows=[...]``: the API server compiled the run into an Argo Workflow
-on the Kubernetes API server (no workflow controller runs here, so it goes no further).  The object store is an S3 endpoint given with ``--s3-endpoint``
+on the Kubernetes API server (no workflow controller runs here, so it goes no further).  With ``--driver BINARY``
+too, it runs KFP's driver for that run's root DAG as the Workflow's first pod would, against ``mlmd_server.py`` and
+the API server, and prints ``KFP DRIVER OK root-dag execution=N``.  The object store is an S3 endpoint given with ``--s3-endpoint``
 (SeaweedFS's S3 gateway, or for this smoke alone any S3 test server).  Everything it started is stopped at the
 end unless ``--keep``.
 """
@@ -43,6 +45,9 @@ from control_plane import ControlPlane, free_port  # noqa: E402
 KFP_VERSION = "2.17.0"
 TOOLS = Path(os.environ.get("FP8RL_TOOLS_DIR") or Path.home() / ".cache" / "fp8rl" / "tools")
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+RPC_PORT: list[int] = []  # the API server's gRPC port, for the driver
 
 
 def _say(msg: str) -> None:
@@ -139,6 +144,7 @@ def start_apiserver(work: Path, binary: Path, kubeconfig: Path, db: dict, s3: st
     shutil.copy(kubeconfig, home / ".kube" / "config")
     # the RPC flag must be ":PORT": the HTTP gateway dials "localhost" + the flag
     rpc, http = free_port(), free_port()
+    RPC_PORT[:] = [rpc]
     env = {**os.environ, "HOME": str(home), "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": "kubeflow",
            # required at start even though nothing here serves visualizations (no server listens there)
            "ML_PIPELINE_VISUALIZATIONSERVER_SERVICE_HOST": "127.0.0.1",
@@ -155,7 +161,7 @@ def start_apiserver(work: Path, binary: Path, kubeconfig: Path, db: dict, s3: st
     return url
 
 
-def submit_run(client, kubeconfig: Path, pipeline: Path, crds: Path) -> None:
+def submit_run(client, kubeconfig: Path, pipeline: Path, crds: Path) -> str:
     """Upload ``pipeline``, start a run of it, and show the Argo Workflow the API server created for it.  No
     workflow controller runs here, so the run goes no further than the Workflow object."""
     kubectl = ["kubectl", f"--kubeconfig={kubeconfig}"]
@@ -175,6 +181,64 @@ def submit_run(client, kubeconfig: Path, pipeline: Path, crds: Path) -> None:
                          check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
     state = client.get_run(run.run_id).state
     print(f"KFP RUN CREATED run={run.run_id} state={state} workflows={wfs}", flush=True)
+    return run.run_id
+
+
+def run_root_driver(work: Path, kubeconfig: Path, driver: Path, mlmd_python: Path, rpc_port: int, procs: list) -> None:
+    """Run KFP's driver for the run's root DAG, as the Workflow's first pod would, against ``mlmd_server.py`` and the
+    API server: out of a pod, in a mount namespace of its own whose /run holds the service-account files the driver
+    reads (namespace, token, CA) for the account ``kubeflow/pipeline-runner``."""
+    kubectl = ["kubectl", f"--kubeconfig={kubeconfig}"]
+    wf = json.loads(subprocess.run([*kubectl, "get", "workflows.argoproj.io", "-n", "kubeflow", "-o", "json"],
+                                   check=True, capture_output=True, text=True).stdout)["items"][0]  # fmt: skip
+    params = {p["name"]: p.get("value") for p in wf["spec"]["arguments"]["parameters"]}
+    root = next(t for tpl in wf["spec"]["templates"] for t in (tpl.get("dag") or {}).get("tasks", [])
+                if t["name"] == "root-driver")  # fmt: skip
+    driver_args = next(t["container"]["args"] for t in wf["spec"]["templates"]
+                       if (t.get("container") or {}).get("command") == ["driver"])  # fmt: skip
+    pipeline_name = driver_args[driver_args.index("--pipeline_name") + 1]
+    runtime_config = next(a["value"] for a in root["arguments"]["parameters"] if a["name"] == "runtime-config")
+    mlmd_port, log = free_port(), work / "mlmd.log"
+    mlmd = subprocess.Popen([mlmd_python, Path(__file__).with_name("mlmd_server.py"), "--host", "127.0.0.1",
+                             "--port", str(mlmd_port), "--sqlite", str(work / "mlmd.sqlite")],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    procs.append(("mlmd", mlmd))
+    _wait("mlmd_server.py", lambda: socket.create_connection(("127.0.0.1", mlmd_port), timeout=1).close() is None,
+          60, mlmd, log)  # fmt: skip
+    sa = work / "serviceaccount"
+    sa.mkdir()
+    subprocess.run([*kubectl, "-n", "kubeflow", "create", "serviceaccount", "pipeline-runner"], capture_output=True)
+    subprocess.run([*kubectl, "create", "clusterrolebinding", "kfp-smoke-runner", "--clusterrole=cluster-admin",
+                    "--serviceaccount=kubeflow:pipeline-runner"], check=True, capture_output=True)  # fmt: skip
+    token = subprocess.run([*kubectl, "-n", "kubeflow", "create", "token", "pipeline-runner"], check=True,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    (sa / "token").write_text(token)
+    (sa / "namespace").write_text("kubeflow")
+    shutil.copy(kubeconfig.parent / "pki" / "ca.crt", sa / "ca.crt")
+    server = next(ln.split()[-1] for ln in kubeconfig.read_text().splitlines() if "server:" in ln)
+    host, port = server.removeprefix("https://").rsplit(":", 1)
+    out = work / "driver-out"
+    out.mkdir()
+    argv = [driver, "--type", "ROOT_DAG", "--pipeline_name", pipeline_name, "--run_id", wf["metadata"]["labels"]["pipeline/runid"],
+        "--run_name", wf["metadata"]["name"], "--run_display_name", "smoke", "--pipeline_job_create_time_utc",
+        wf["metadata"]["creationTimestamp"], "--dag_execution_id", "0", "--component", params["components-root"],
+        "--task", "", "--task_name", "", "--runtime_config", runtime_config, "--iteration_index", "-1",
+        "--execution_id_path", out / "execution-id", "--iteration_count_path", out / "iteration-count",
+        "--condition_path", out / "condition", "--http_proxy", "", "--https_proxy", "", "--no_proxy", "",
+        "--ml_pipeline_server_address", "127.0.0.1",
+        "--ml_pipeline_server_port", str(rpc_port), "--mlmd_server_address", "127.0.0.1",
+        "--mlmd_server_port", str(mlmd_port)]  # fmt: skip
+    script = ('mount -t tmpfs none /run && d=/run/secrets/kubernetes.io/serviceaccount && mkdir -p "$d" && '
+              f'cp {sa}/* "$d"/ && exec "$@"')  # fmt: skip
+    env = {**os.environ, "KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
+    log = work / "driver.log"
+    with log.open("wb") as f:
+        done = subprocess.run(["unshare", "-m", "sh", "-c", script, "driver", *map(str, argv)], env=env, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=180)  # fmt: skip
+    if done.returncode:
+        raise SystemExit(f"kfp-smoke: the root-DAG driver failed ({done.returncode}):\n{log.read_text()[-3000:]}")
+    print(f"KFP DRIVER OK root-dag execution={(out / 'execution-id').read_text().strip()} (MLMD: mlmd_server.py)",
+          flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeline", type=Path, help="a compiled pipeline YAML: upload it and start a run of it")
     p.add_argument("--argo-crds", type=Path, default=TOOLS / f"kfp-{KFP_VERSION}" / "crds",
                    help="Argo's CRDs, installed before the run (default: build.sh's)")  # fmt: skip
+    p.add_argument("--driver", type=Path, help="with --pipeline: run this KFP driver binary for the run's root DAG")
+    p.add_argument("--mlmd-python", type=Path, default=Path(sys.executable),
+                   help="a python with ml-metadata==1.17.1, for mlmd_server.py (default: this one)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="leave everything running (prints the work directory)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kfp-smoke."))
@@ -219,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"KFP APISERVER OK host={url} experiments={names}", flush=True)
         if args.pipeline:
             submit_run(client, kubeconfig, args.pipeline, args.argo_crds)
+            if args.driver:
+                run_root_driver(work, kubeconfig, args.driver, args.mlmd_python, RPC_PORT[0], procs)
         return 0
     finally:
         if args.keep:
@@ -227,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             for _name, proc in reversed(procs):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, 15)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=15)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # the API server outlives SIGTERM
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, 9)
+                    proc.wait()
             if cp is not None:
                 cp.stop()
             _say(f"stopped; logs in {work}")
