@@ -97,9 +97,9 @@ def test_fp8_linears_drop_their_cached_weights_before_the_step(tiny_models: dict
     seen: list[bool] = []
     step = trainer.optimizer.step
 
-    def checked(grad_clip: float) -> float:
+    def checked(grad_clip: float, grad_scale: float = 1.0) -> float:
         seen.append(all(m._fused_weight is None for m in linears))
-        return step(grad_clip)
+        return step(grad_clip, grad_scale)
 
     trainer.optimizer.step = checked  # type: ignore[method-assign]
     for m in linears:
