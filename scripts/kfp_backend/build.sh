@@ -136,11 +136,17 @@ else
         python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(d["Error"]) if "Error" in d else print(d["Dir"])')" ||
         die "no Argo source: go mod download of $ARGO_MODULE@$ARGO_VERSION failed (above); set ARGO_SRC=<dir>"
     argo_from="Go module $ARGO_MODULE@$ARGO_VERSION"
+    # Module zips drop symbolic links, and Argo's workflow/executor/osspecific/signal_linux.go is one (to
+    # signal_darwin.go): without it argoexec fails with "undefined: Setpgid". Build a copy with the link restored.
+    cp -r "$argo_dir" "$WORK/argo-src" && chmod -R u+w "$WORK/argo-src"
+    argo_dir="$WORK/argo-src"
+    osdir="$argo_dir/workflow/executor/osspecific"
+    [ -e "$osdir/signal_linux.go" ] || ln -s signal_darwin.go "$osdir/signal_linux.go"
+    argo_from="$argo_from (signal_linux.go -> signal_darwin.go restored, as in Argo's repository)"
 fi
 echo "argo $ARGO_VERSION from $argo_from" >>"$INFO"
 v="$ARGO_MODULE"
 argo_ldflags="-s -w -extldflags -static -X $v.version=$ARGO_VERSION -X $v.gitTag=$ARGO_VERSION -X $v.gitTreeState=clean"
-# The module cache is read-only and the build writes nothing into the source: build there directly.
 CGO_ENABLED=0 build workflow-controller "$argo_dir" ./cmd/workflow-controller -ldflags "$argo_ldflags"
 CGO_ENABLED=0 build argoexec "$argo_dir" ./cmd/argoexec -ldflags "$argo_ldflags"
 cp "$argo_dir"/manifests/base/crds/minimal/argoproj.io_*.yaml "$STAGE/crds/" ||
