@@ -327,7 +327,7 @@ def recalibrate_kv(cfg: RunConfig, parts: Parts, batch: SequenceBatch) -> dict[s
 def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) -> dict[str, float]:
     """One RL step (module docstring, 1-5); returns its metrics."""
     tok, engine, trainer = parts.tok, parts.engine, parts.trainer
-    g, temperature = cfg.grpo.group_size, cfg.sampling.temperature
+    g = cfg.grpo.group_size
     t0 = time.perf_counter()
     items = [e for e in examples for _ in range(g)]
     prompts = prompt_format(cfg).encode_all(tok, items)
@@ -342,21 +342,7 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
     batch = build_batch(rollout.prompt_ids, rollout.response_ids, rollout.response_mask, engine.pad_token_id)
     t_scored = time.perf_counter()  # decode, rewards, advantages and the batch are the step's idle time
     mask = rollout.response_mask
-    if cfg.grpo.old_logprobs == "recompute":
-        old_lp = trainer.compute_logprobs(batch, temperature)
-        t2 = time.perf_counter()
-        mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
-        weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
-        train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, cfg.grpo, temperature)
-    else:  # the old logprobs are the train forward's: no logprob phase (fp8rl.train.policy_terms)
-        t2 = t_scored
-        train_m = trainer.policy_step_from_train_forward(
-            batch, adv, rollout.logprobs, mask, cfg.grpo, cfg.recipe.correction, temperature
-        )
-        ess = ess_metric(train_m)  # from the batch's weight moments, which it takes out of train_m
-        mm, corr = _taken(train_m, MISMATCH), {**_taken(train_m, CORRECTION), **_taken(ess, CORRECTION)}
-    computed, valid = train_m.pop("tokens_computed", 0.0), train_m.pop("tokens_valid", 0.0)
-    train_m["padding_waste"] = 1.0 - valid / computed if computed else 0.0  # of the tokens the forwards ran
+    train_m, mm, corr, t2 = _policy_update(cfg, trainer, batch, adv, rollout, t_scored)
     t3 = time.perf_counter()
     stats = parts.push_weights(step)
     t_pushed = time.perf_counter()
@@ -391,6 +377,30 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "throughput/rollout_tokens_per_s": tokens / max(t1 - t0, 1e-9),
         "throughput/train_tokens_per_s": tokens / max(t3 - t_scored, 1e-9),
     }
+
+
+def _policy_update(
+    cfg: RunConfig, trainer: Any, batch: SequenceBatch, adv: torch.Tensor, rollout: Any, t_scored: float
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], float]:
+    """The policy update: its train, mismatch and correction metrics, and when the logprob phase ended
+    (``t_scored`` when the old logprobs are the train forward's)."""
+    mask, temperature = rollout.response_mask, cfg.sampling.temperature
+    if cfg.grpo.old_logprobs == "recompute":
+        old_lp = trainer.compute_logprobs(batch, temperature)
+        t2 = time.perf_counter()
+        mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
+        weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
+        train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, cfg.grpo, temperature)
+    else:  # the old logprobs are the train forward's: no logprob phase (fp8rl.train.policy_terms)
+        t2 = t_scored
+        train_m = trainer.policy_step_from_train_forward(
+            batch, adv, rollout.logprobs, mask, cfg.grpo, cfg.recipe.correction, temperature
+        )
+        ess = ess_metric(train_m)  # from the batch's weight moments, which it takes out of train_m
+        mm, corr = _taken(train_m, MISMATCH), {**_taken(train_m, CORRECTION), **_taken(ess, CORRECTION)}
+    computed, valid = train_m.pop("tokens_computed", 0.0), train_m.pop("tokens_valid", 0.0)
+    train_m["padding_waste"] = 1.0 - valid / computed if computed else 0.0  # of the tokens the forwards ran
+    return train_m, mm, corr, t2
 
 
 def _taken(metrics: dict[str, float], prefix: str) -> dict[str, float]:
