@@ -119,8 +119,9 @@ build persistence_agent "$KFP_SRC" ./backend/src/agent/persistence
 build scheduledworkflow "$KFP_SRC" ./backend/src/crd/controller/scheduledworkflow
 CGO_ENABLED=0 build driver "$KFP_SRC" ./backend/src/v2/cmd/driver "${static[@]}"
 CGO_ENABLED=0 build launcher-v2 "$KFP_SRC" ./backend/src/v2/cmd/launcher-v2 "${static[@]}"
-cp "$KFP_SRC/backend/src/crd/install/manifests/scheduledworkflow-crd.yaml" "$STAGE/crds/" ||
-    die "KFP's ScheduledWorkflow CRD is not at backend/src/crd/install/manifests in $KFP_SRC"
+# (backend/src/crd/install/manifests holds an apiextensions.k8s.io/v1beta1 copy that Kubernetes >= 1.22 refuses)
+cp "$KFP_SRC/manifests/kustomize/base/pipeline/cluster-scoped/scheduled-workflow-crd.yaml" "$STAGE/crds/" ||
+    die "KFP's ScheduledWorkflow CRD is not at manifests/kustomize/base/pipeline/cluster-scoped in $KFP_SRC"
 
 # --- Argo Workflows: controller and executor ---------------------------------------------------------
 if [ -n "${ARGO_SRC:-}" ]; then
