@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the Kubeflow Pipelines backend of the release the SDK matches (kfp 2.17.0) into the tools
-# cache, for the local cluster's KFP tier (issue 43, item 2). Nothing is built inside this repository.
+# cache, for the local cluster's KFP tier. Nothing is built inside this repository.
 #
 #   $TOOLS/kfp-2.17.0/bin/apiserver            KFP API server (backend/src/apiserver)
 #   $TOOLS/kfp-2.17.0/bin/persistence_agent    persistence agent (backend/src/agent/persistence)
@@ -20,7 +20,7 @@
 #                   from the Go module proxy (it serves github.com/argoproj/argo-workflows/v4 v4.0.5).
 #   FP8RL_TOOLS_DIR (default ~/.cache/fp8rl/tools); FORCE=1 rebuilds what is built already.
 #
-# Not built here, and why (see docs in the report of issue 43): the ML Metadata (MLMD) server that the
+# Not built here, and why (scripts/kfp_backend/README.md): the ML Metadata (MLMD) server that the
 # 2.17.0 driver and launcher call is C++ built with Bazel (no Bazel toolchain or its downloads here);
 # scripts/kfp_backend/mlmd_server.py serves the same gRPC service from the ml-metadata wheel of PyPI instead.
 # The database is PostgreSQL from Debian (KFP 2.17.0 speaks mysql or pgx, not SQLite): nothing to build.
