@@ -203,7 +203,7 @@ case $step in
           rollout8b) V0=${ROLLOUT_GPU0:-fp8,fp8-row}; V1=${ROLLOUT_GPU1:-fp8-row-kv,bf16}
                  A="--shape llama-8b --modes fp8rl --long-tokens 0 --profile-tokens 128 ${ARGS:-}"
                  job="$job; echo PART rollout8b; mkdir -p $RES/rollout8b/gpu0 $RES/rollout8b/gpu1; \
-                   python3 -c 'from fp8rl.bench.step import make_shape_model as m; m(\"llama-8b\", \"/tmp/work/bench-models/llama-8b\", \"cuda\")'; \
+                   python3 -c 'from fp8rl.models.shapes import make_shape_model as m; m(\"llama-8b\", \"/tmp/work/bench-models/llama-8b\", \"cuda\")'; \
                    CUDA_VISIBLE_DEVICES=0 OUT=$RES/rollout8b/gpu0 FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py \
                       $A --variants $V0 > $RES/rollout8b/gpu0/run.log 2>&1 & \
                    CUDA_VISIBLE_DEVICES=1 OUT=$RES/rollout8b/gpu1 FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py \

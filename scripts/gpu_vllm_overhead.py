@@ -96,10 +96,10 @@ def category(kernel: str) -> str:
 
 
 def shape_dims(shape: str) -> dict[str, int]:
-    """The model dimensions of ``--shape`` (qwen3b: gpu_vllm_throughput's; else fp8rl.bench.step.SHAPES)."""
+    """The model dimensions of ``--shape`` (qwen3b: gpu_vllm_throughput's; else fp8rl.models.shapes.SHAPES)."""
     if shape == "qwen3b":
         return dict(QWEN3B)
-    from fp8rl.bench.step import SHAPES
+    from fp8rl.models.shapes import SHAPES
 
     s = SHAPES[shape]
     return {"hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
@@ -325,7 +325,7 @@ def random_checkpoints(shape: str) -> tuple[Any, Any]:
     converts it to FP8 under WORK / "o")."""
     if shape == "qwen3b":
         return write_random_3b(WORK / "qwen3b-bf16", fp8=False), write_random_3b(WORK / "qwen3b-fp8", fp8=True)
-    from fp8rl.bench.step import make_shape_model
+    from fp8rl.models.shapes import make_shape_model
 
     bf16 = make_shape_model(shape, WORK / "bench-models" / shape, "cuda")
     return bf16, bf16

@@ -107,7 +107,6 @@ def main_with_args(args: argparse.Namespace) -> int:
     from fp8rl.bench.step import (
         StepBench,
         log_to_mlflow,
-        make_shape_model,
         report,
         run_metadata,
         run_step_bench,
@@ -115,6 +114,7 @@ def main_with_args(args: argparse.Namespace) -> int:
         write_outputs,
     )  # fmt: skip
     from fp8rl.devices import resolve_device
+    from fp8rl.models.shapes import make_shape_model
 
     sizes, base = resolve_preset(args)
     if (args.model is None) == (args.shape is None):
