@@ -399,10 +399,12 @@ def _add_import_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "import-model", help="a starting checkpoint from a source (tiny preset, directory, hf://) -> an HF checkpoint"
     )
     p.add_argument(
-        "source", help="tiny | small | tiny-odd (no download) | DIR | file://DIR | hf://ORG/NAME[@REVISION] ($HF_TOKEN)"
+        "source",
+        help="tiny | small | tiny-odd (no download) | shape:NAME (random weights of a Llama shape: llama-1b, "
+        "llama-8b, ...) | DIR | file://DIR | hf://ORG/NAME[@REVISION] ($HF_TOKEN)",
     )
     p.add_argument("dst", help="the HF checkpoint directory to write")
-    p.add_argument("--seed", type=int, default=0, help="a tiny preset's weights (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="a tiny preset's or a shape's weights (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(func=_cmd_import_model)
 

@@ -1,11 +1,10 @@
-"""``fp8-benchmark``: prepare -> FP8 conversion -> per recipe (throughput benchmark) -> report."""
+"""``fp8-benchmark``: settings -> prepare -> FP8 conversion -> per recipe (throughput benchmark) -> report."""
 
 from typing import Any
 
 from kfp import dsl
 
-from components.benchmark import benchmark
-from fp8rl.config import CORE_RECIPES
+from components.benchmark import benchmark, benchmark_settings
 from pipelines import stages
 from pipelines.cluster import (
     CLUSTER_WORK_DIR,
@@ -27,11 +26,12 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
 
     @dsl.pipeline(name=NAME, description="RL-step throughput per FP8 precision recipe: rollout, train, weight sync.")
     def fp8_benchmark(
-        recipes: list = list(CORE_RECIPES),  # noqa: B006
-        model_source: str = stages.DEFAULT_MODEL_SOURCE,
+        preset: str = "",
+        recipes: list = [],  # noqa: B006
+        model_source: str = "",
         seed: int = 0,
-        bench_steps: int = 5,
-        warmup_steps: int = 2,
+        bench_steps: int = 0,
+        warmup_steps: int = -1,
         run_config: dict = {},  # noqa: B006
         convert_recipe: str = stages.DEFAULT_FP8_RECIPE,
         experiment: str = "fp8rl-bench",
@@ -43,17 +43,28 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
         mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
         hf_secret: str = DEFAULT_HF_SECRET,
     ) -> None:
-        """Each recipe is benchmarked from the same checkpoint, as one child MLflow run of one comparison run."""
+        """Each recipe is benchmarked from the same checkpoint, as one child MLflow run of one comparison run.
+
+        ``preset``: a named layout of ``fp8rl bench step --preset`` (e.g. ``llama-1b-1gpu``): its recipes, model
+        shape (random weights), steps, batch and run-config settings, ``run_config`` over them.  ``recipes`` empty,
+        ``model_source`` empty, ``bench_steps`` 0 and ``warmup_steps`` -1 mean the preset's (without one: bf16,
+        fp8-rollout, fp8-e2e; the ``tiny`` model; 5 and 2)."""
         refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
-            model = stages.prepare(model_source, seed, refs)
+            settings = benchmark_settings(
+                preset=preset, recipes=recipes, model_source=model_source, steps=bench_steps,
+                warmup_steps=warmup_steps,
+            ).set_display_name("benchmark settings")  # fmt: skip
+            on_cluster(settings, refs, size="small")
+            model = stages.prepare(settings.outputs["model_source"], seed, refs)
             conversion = stages.convert(model, convert_recipe, refs)
-            with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
+            with dsl.ParallelFor(settings.outputs["recipes"], parallelism=parallelism) as recipe:
                 bench = benchmark(
                     model=model.outputs["model"], mlflow_run=tracking.outputs["mlflow_run"], recipe=recipe,
                     seed=seed, run_config=run_config, pipeline_name=NAME, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                    steps=bench_steps, warmup_steps=warmup_steps, device=device, profile_train=profile_train,
+                    steps=settings.outputs["steps"], warmup_steps=settings.outputs["warmup_steps"], device=device,
+                    profile_train=profile_train, preset=preset,
                 ).set_display_name("benchmark")  # fmt: skip
                 on_cluster(bench.after(conversion), refs, tracked=True, gpu=True)
             stages.compare(NAME, tracking, dsl.Collected(bench.outputs["Output"]), conversion, refs)

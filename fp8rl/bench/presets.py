@@ -52,6 +52,17 @@ class BenchPreset:
     micro_batch_tokens: int = 16384
     config: dict[str, Any] = field(default_factory=dict)  # run-config fields (RunConfig)
 
+    def run_fields(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The run-config fields of one recipe's benchmark under this preset: its settings and its batch (prompts
+        x samples responses of ``max_tokens``, EOS ignored; the micro-batch), ``overrides`` (run-config fields) over
+        them.  The ``fp8-benchmark`` pipeline's ``preset``; ``fp8rl bench step`` gets the same from ``step_config``."""
+        batch = {
+            "grpo": {"prompts_per_step": self.prompts, "group_size": self.samples},
+            "sampling": {"max_tokens": self.max_tokens, "ignore_eos": True},
+            "optim": {"micro_batch_tokens": self.micro_batch_tokens},
+        }
+        return _merged(_merged(self.config, batch), overrides)
+
     def sizes(self) -> dict[str, Any]:
         """The bench flags this preset sets (``fp8rl bench step``'s argument names)."""
         return {
@@ -107,10 +118,48 @@ PRESETS: dict[str, BenchPreset] = {
 }
 
 
-def get_preset(name: str) -> BenchPreset:
+def get_preset(name: str, field: str = "--preset") -> BenchPreset:
+    """The preset ``name``; an unknown name is a UserError naming ``field`` (the option or parameter that gave it)."""
     if name not in PRESETS:
-        raise UserError(f"--preset: unknown benchmark preset {name!r}; expected one of {', '.join(PRESETS)}")
+        raise UserError(f"{field}: unknown benchmark preset {name!r}; expected one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """What the ``fp8-benchmark`` pipeline runs once its parameters' "from the preset" values are resolved."""
+
+    recipes: list[str]
+    model_source: str
+    steps: int
+    warmup_steps: int
+
+
+# the fp8-benchmark pipeline's values where neither a parameter nor a preset gives one: the core recipes
+# (``fp8rl.config.CORE_RECIPES``), the tiny model every pipeline starts from by default, 5 timed and 2 warm-up steps
+PIPELINE_DEFAULT_MODEL, PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_WARMUP = "tiny", 5, 2
+
+
+def pipeline_settings(
+    preset: str, recipes: list[str], model_source: str, steps: int, warmup_steps: int
+) -> PipelineSettings:  # fmt: skip
+    """The ``fp8-benchmark`` pipeline's recipes, model, timed and warm-up steps: each parameter's value when given
+    (recipes non-empty, model_source non-empty, steps > 0, warmup_steps >= 0), else the preset's (its shape as
+    ``shape:<name>``, random weights), else the pipeline's defaults (``PIPELINE_DEFAULT_*``).  Every recipe is
+    checked here, before any step runs."""
+    from fp8rl.config import CORE_RECIPES, load_recipe
+
+    base = PipelineSettings(list(CORE_RECIPES), PIPELINE_DEFAULT_MODEL, PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_WARMUP)
+    if preset:
+        p = get_preset(preset, "preset")
+        base = PipelineSettings(list(p.recipes), f"shape:{p.shape}", p.steps, p.warmup)
+    out = PipelineSettings(
+        [str(r) for r in recipes] if recipes else base.recipes, model_source or base.model_source,
+        steps if steps > 0 else base.steps, warmup_steps if warmup_steps >= 0 else base.warmup_steps,
+    )  # fmt: skip
+    for recipe in out.recipes:
+        load_recipe(recipe)  # an unknown recipe: a UserError naming it
+    return out
 
 
 def preset_config(preset: BenchPreset, config: dict[str, Any]) -> dict[str, Any]:

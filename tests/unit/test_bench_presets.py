@@ -72,3 +72,51 @@ def test_every_preset_is_a_valid_run_config_for_each_of_its_recipes(name: str) -
 def test_an_unknown_preset_names_the_known_ones() -> None:
     with pytest.raises(UserError, match="unknown benchmark preset 'h300'.*llama-8b-h200x2"):
         _configs(["--preset", "h300"])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_pipeline_and_bench_step_run_a_preset_with_the_same_configuration(name: str) -> None:
+    """The fp8-benchmark pipeline's ``preset`` (``BenchPreset.run_fields``) and ``fp8rl bench step --preset`` give
+    every recipe the same run config (the bench's work dir aside)."""
+    from fp8rl.config import load_recipe, parse_run_config
+
+    _, cfgs = _configs(["--preset", name])
+    for cfg in cfgs:
+        fields = {**PRESETS[name].run_fields({}), "recipe": load_recipe(cfg.recipe.name), "work_dir": "work"}
+        assert parse_run_config(fields, "pipeline").model_dump() == cfg.model_dump()
+
+
+def test_the_pipelines_run_config_overrides_the_preset() -> None:
+    fields = PRESETS["llama-1b-1gpu"].run_fields({"rollout": {"engine": "torch"}, "grpo": {"prompts_per_step": 2}})
+    assert fields["rollout"]["engine"] == "torch" and fields["rollout"]["max_model_len"] == 2048  # the preset's
+    assert fields["grpo"] == {"prompts_per_step": 2, "group_size": 8} and fields["sampling"]["ignore_eos"] is True
+
+
+def test_pipeline_settings_take_the_parameter_else_the_preset_else_the_default() -> None:
+    from fp8rl.bench.presets import pipeline_settings
+    from fp8rl.config import CORE_RECIPES
+
+    plain = pipeline_settings("", [], "", 0, -1)
+    assert (plain.recipes, plain.model_source, plain.steps, plain.warmup_steps) == (list(CORE_RECIPES), "tiny", 5, 2)
+    preset = PRESETS["llama-1b-1gpu"]
+    p = pipeline_settings("llama-1b-1gpu", [], "", 0, -1)
+    assert (p.recipes, p.model_source, p.steps, p.warmup_steps) == (
+        list(preset.recipes),
+        "shape:llama-1b",
+        preset.steps,
+        preset.warmup,
+    )
+    given = pipeline_settings("llama-1b-1gpu", ["bf16"], "tiny", 1, 0)
+    assert (given.recipes, given.model_source, given.steps, given.warmup_steps) == (["bf16"], "tiny", 1, 0)
+    with pytest.raises(UserError, match="preset: unknown benchmark preset 'h300'"):
+        pipeline_settings("h300", [], "", 0, -1)
+    with pytest.raises(UserError, match="recipe 'fp9'"):
+        pipeline_settings("", ["bf16", "fp9"], "", 0, -1)
+
+
+def test_the_benchmark_settings_component_returns_the_resolved_settings() -> None:
+    from components.benchmark import benchmark_settings
+
+    out = benchmark_settings.python_func(preset="llama-1b-1gpu", recipes=[], model_source="", steps=3, warmup_steps=-1)
+    assert out.recipes == list(PRESETS["llama-1b-1gpu"].recipes) and out.model_source == "shape:llama-1b"
+    assert (out.steps, out.warmup_steps) == (3, PRESETS["llama-1b-1gpu"].warmup)

@@ -126,10 +126,23 @@ def test_import_model_replaces_only_with_overwrite(tmp_path: Path, tiny_models: 
     assert (dst / "model.safetensors").read_bytes() == (small / "model.safetensors").read_bytes()
 
 
+def test_import_model_writes_random_weights_of_a_named_shape(tmp_path: Path) -> None:
+    from fp8rl.models.loading import read_model_config
+
+    dst = tmp_path / "m"
+    assert import_model("shape:tiny", dst, seed=3) == {"source": "shape:tiny", "shape": "tiny", "seed": 3}
+    assert read_model_config(dst)["hidden_size"] == 128  # fp8rl.models.shapes.SHAPES["tiny"]
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        import_model("shape:tiny", dst)
+    import_model("shape:tiny", dst, seed=4, overwrite=True)
+    assert json.loads((dst / "fp8rl_bench_shape.json").read_text()) == {"shape": "tiny", "seed": 4}
+
+
 @pytest.mark.parametrize(
     ("source", "match"),
     [
-        ("", "not a tiny preset"),  # not the working directory
+        ("", "not a tiny preset"),
+        ("shape:llama-9b", "unknown model shape 'llama-9b'"),  # not the working directory
         ("hf://org/name@v1", "download failed"),  # the test session is offline (conftest: HF_HUB_OFFLINE=1)
     ],
 )

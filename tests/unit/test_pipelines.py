@@ -40,8 +40,8 @@ EXECUTORS = {
                "compare-recipes", "finish-tracking"},
     "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "diagnose-mismatch",
                           "rl-step", "evaluate", "benchmark", "compare-recipes", "finish-tracking"},
-    "fp8-benchmark": {"start-tracking", "prepare-model", "convert-to-fp8", "benchmark", "compare-recipes",
-                      "finish-tracking"},
+    "fp8-benchmark": {"start-tracking", "benchmark-settings", "prepare-model", "convert-to-fp8", "benchmark",
+                      "compare-recipes", "finish-tracking"},
 }  # fmt: skip
 GPU_STEPS = {"evaluate", "benchmark", "diagnose-mismatch"}
 MEDIUM_STEPS = {"prepare-model", "sft-warmup", "convert-to-fp8", "rl-step"}
@@ -330,7 +330,7 @@ def test_compile_cli_writes_every_component_for_reuse(tmp_path: Path) -> None:
 
     assert main(["fp8-rl", "--output-dir", str(tmp_path), "--components", "--registry", "reg.example/ml"]) == 0
     written = sorted(p.stem for p in (tmp_path / "components").glob("*.yaml"))
-    assert written == sorted(EXECUTORS["recipe-comparison"] | {"finish-tracking"})
+    assert written == sorted(set().union(*EXECUTORS.values()))  # every component of every pipeline
     prepare = load_component_from_file(str(tmp_path / "components" / "prepare-model.yaml"))
     convert = load_component_from_file(str(tmp_path / "components" / "convert-to-fp8.yaml"))
 
