@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fp8rl.kube.diagnose import driver_failure, extract_traceback
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube.job_failure import driver_failure, extract_traceback
 from fp8rl.kube.submit import DEFAULT_REQUEST_TIMEOUT_S, DEFAULT_TIMEOUT_S, LOG_TAIL_LINES, LogSink, print_line
 
 DEFAULT_RAY_POLL_S = 1.0

@@ -8,7 +8,7 @@ whose message says *why* on failure, and :class:`~fp8rl.kube.errors.RayJobTimeou
   ``status.jobDeploymentStatus`` / ``status.jobStatus``, follows the submitter pod's log (in
   K8sJobMode it runs ``ray job logs --follow``, so that log is the driver's; best effort: a log the API
   server cannot fetch from the kubelet is reported once and never hides the outcome), and on failure reads
-  pod statuses and Warning events to name the cause (:func:`fp8rl.kube.diagnose.diagnose`):
+  pod statuses and Warning events to name the cause (:func:`fp8rl.kube.job_failure.diagnose`):
   ``image pull error: <image>``, ``unschedulable: <scheduler message>``, ``out of memory: ...``, or
   the driver's traceback. The RayJob is deleted at the end (success, failure, timeout, Ctrl-C) unless
   ``keep=True``; deleting it makes KubeRay stop the Ray job (its ``ray.io/rayjob-finalizer``) and
@@ -44,8 +44,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from fp8rl.kube.diagnose import diagnose, image_pull_problems, unschedulable_problems
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube.job_failure import diagnose, image_pull_problems, unschedulable_problems
 from fp8rl.kube.rayjob import CLUSTER_SELECTOR_KEY, RAYJOB_LABEL, ROLE_LABEL, SUBMITTER_CONTAINER
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"

@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 
 from fp8rl.bench import throughput
-from fp8rl.bench.evaluate import evaluate_checkpoint
+from fp8rl.bench.checkpoint_eval import evaluate_checkpoint
 from fp8rl.bench.report import COLUMNS, PLOTS, build_comparison_report, markdown_table
 from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe, resolve_device
 from fp8rl.config import RunConfig, load_recipe

@@ -35,8 +35,8 @@ from kubernetes.client import (
 from kubernetes.client.exceptions import ApiException
 
 from fp8rl.errors import UserError
-from fp8rl.kube.diagnose import diagnose, extract_traceback
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
+from fp8rl.kube.job_failure import diagnose, extract_traceback
 from fp8rl.kube.submit import KubeApis, _PodLogFollower, _split_timestamp, submit_rayjob
 
 NAME, NS, IMAGE = "fp8rl-step", "ml", "ghcr.io/example/fp8rl-gpu:0.1.0"
