@@ -257,41 +257,18 @@ def quantize_groups(
     copies from one 128x128 tile per program, ``"split"`` runs a rowwise launch and a colwise-only launch
     over 128 x ``cols`` tiles (an extra read of the input, far fewer registers per program).
     """
-    r, c, r_out = padded_shape(x, rows_out, "quantize_groups")
+    _, c, r_out = padded_shape(x, rows_out, "quantize_groups")
     if colwise and group > 128:
         raise ValueError("the transposed output needs groups of at most 128")
-    n_g, n_gt = math.ceil(c / group), math.ceil(r_out / group)
-    dev = x.device
-
-    def scales(rows: int, groups: int) -> torch.Tensor:
-        if outer_major_scales:
-            return torch.empty(groups, rows, dtype=torch.float32, device=dev).t()
-        return torch.empty(rows, groups, dtype=torch.float32, device=dev)
-
-    q = torch.empty(r_out, c, dtype=fmt.dtype, device=dev) if rowwise else None
-    s = scales(r_out, n_g) if rowwise else None
-    qt = torch.empty(c, r_out, dtype=fmt.dtype, device=dev) if colwise else None
-    st = scales(c, n_gt) if colwise else None
+    q, s, qt, st = _group_outputs(x, fmt, r_out, c, group, rowwise, colwise, outer_major_scales)
     if r_out == 0 or c == 0:
         return q, s, qt, st
     size, warps, mode = config or (
         launch_config.GROUPS_COLWISE_CONFIG if colwise else launch_config.GROUPS_ROWWISE_CONFIG
     )
-    dummy = x  # any tensor: the pointer of an output that is not written
 
     def launch(rw: bool, cw: bool, br: int, bc: int, w: int) -> None:
-        launch_kernel(
-            _groups_kernel, (triton.cdiv(r_out, br), triton.cdiv(c, bc)),
-            (x, q if rw and q is not None else dummy, s if rw and s is not None else dummy,
-             qt if cw and qt is not None else dummy, st if cw and st is not None else dummy,
-             r, c, r_out,
-             x.stride(0), x.stride(1),
-             c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
-             r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
-            w, ("1x", group, "/", r_out, "x", c, "/", COPIES[rw, cw]),
-            FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br, BC=bc,
-            ROWWISE=rw, TRANSPOSE=cw,
-        )  # fmt: skip
+        _launch_groups(x, (q, s, qt, st), fmt, pow2, group, r_out, (rw, cw), (br, bc), w)
 
     if not colwise:
         launch(True, False, size, group, warps)
@@ -303,6 +280,50 @@ def quantize_groups(
             launch(True, False, rows, group, rows_warps)
         launch(False, True, group, size, warps)
     return q, s, qt, st
+
+
+def _group_outputs(
+    x: torch.Tensor, fmt: FP8Format, r_out: int, c: int, group: int, rowwise: bool, colwise: bool,
+    outer_major_scales: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """``quantize_groups``' outputs, empty: ``q [r_out, c]`` and ``s`` (rowwise), ``qt [c, r_out]`` and ``st``
+    (colwise); scales row-major, or with stride ``(1, rows)`` for ``outer_major_scales``."""
+    dev = x.device
+
+    def scales(rows: int, groups: int) -> torch.Tensor:
+        if outer_major_scales:
+            return torch.empty(groups, rows, dtype=torch.float32, device=dev).t()
+        return torch.empty(rows, groups, dtype=torch.float32, device=dev)
+
+    q = torch.empty(r_out, c, dtype=fmt.dtype, device=dev) if rowwise else None
+    s = scales(r_out, math.ceil(c / group)) if rowwise else None
+    qt = torch.empty(c, r_out, dtype=fmt.dtype, device=dev) if colwise else None
+    st = scales(c, math.ceil(r_out / group)) if colwise else None
+    return q, s, qt, st
+
+
+def _launch_groups(
+    x: torch.Tensor, outs: tuple[torch.Tensor | None, ...], fmt: FP8Format, pow2: bool, group: int, r_out: int,
+    copies: tuple[bool, bool], block: tuple[int, int], warps: int,
+) -> None:  # fmt: skip
+    """One launch of the 1 x ``group`` kernel over ``block``-sized programs, writing the rowwise copy, the
+    transposed copy or both (``copies``) into ``outs`` = ``(q, s, qt, st)``; an output not written gets any
+    tensor's pointer."""
+    (rw, cw), (br, bc) = copies, block
+    q, s, qt, st = outs
+    r, c = x.shape
+    launch_kernel(
+        _groups_kernel, (triton.cdiv(r_out, br), triton.cdiv(c, bc)),
+        (x, q if rw and q is not None else x, s if rw and s is not None else x,
+         qt if cw and qt is not None else x, st if cw and st is not None else x,
+         r, c, r_out,
+         x.stride(0), x.stride(1),
+         c, s.stride(0) if s is not None else 0, s.stride(1) if s is not None else 0,
+         r_out, st.stride(0) if st is not None else 0, st.stride(1) if st is not None else 0),
+        warps, ("1x", group, "/", r_out, "x", c, "/", COPIES[rw, cw]),
+        FMT_MAX=fmt.max, POW2=pow2, OUT=_fp8_tl_dtype(fmt), G=group, BR=br, BC=bc,
+        ROWWISE=rw, TRANSPOSE=cw,
+    )  # fmt: skip
 
 
 def quantize_tiles(
