@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fp8rl.atomic import atomic_write_text
+from fp8rl.bench.host_costs import host_costs, host_profile
+from fp8rl.bench.kernels_report import format_tables
 from fp8rl.bench.timing import back_to_back_ms, copy_bandwidth_gbs, gpu_time_ms, time_ms
 
 # torch is imported inside the functions: the `fp8rl` command builds its parser from this module
@@ -131,60 +133,80 @@ def _gemm_rows(m: int, n: int, k: int) -> dict[str, Any]:
     import torch
 
     from fp8rl.quant import QuantSpec, fp8_gemm, quantize_activation, quantize_weight
-    from fp8rl.quant.block_linear import quantize_block_input, quantize_block_weight
-    from fp8rl.quant.gemm import block_scaled_mm, outer_major
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    flop = 2 * m * n * k
     out: dict[str, Any] = {"mnk": [m, n, k]}
     out["bf16_ms"] = time_ms(lambda: x @ w.t())
-    spec = QuantSpec()
     tq = quantize_activation(x, QuantSpec(granularity="tensor"))
     tw = quantize_weight(w, QuantSpec(granularity="tensor"))
     out["fp8_tensor_gemm_ms"] = time_ms(lambda: fp8_gemm(tq, tw))
     if torch.cuda.get_device_capability()[0] == 9 and k % 128 == 0 and n % 128 == 0:
-        bw = quantize_block_weight(w, spec, transpose=False)
-        xq, xs, _, _ = quantize_block_input(x, spec, rowwise=True, colwise=False)
-        assert xq is not None and xs is not None
-        out["fp8_block_gemm_ms"] = time_ms(lambda: block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True))
-        out["act_quant_fused_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=False))
-        out["act_quant_reference_ms"] = time_ms(
-            lambda: quantize_activation(x, spec, backend="torch", check_finite=False)
-        )
-        # wgrad-shaped: both operands 1x128-grouped along the contraction (here K plays the token role)
-        wq = quantize_activation(w, spec)
-        out["fp8_block_1x128x1x128_gemm_ms"] = time_ms(
-            lambda: block_scaled_mm(xq[:m], xs, wq.data, outer_major(wq.scale_inv), False)
-        )
-        # dgrad-shaped: dX[M, K] = dY[M, N] @ W, contraction over N (1x128 x 128x128)
-        gq, gs, _, _ = quantize_block_input(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), spec, True, False)
-        bwt = quantize_block_weight(w, spec, transpose=True)
-        wt, wt_scale = bwt.qt, bwt.scale_t_cublas
-        assert gq is not None and gs is not None and wt is not None and wt_scale is not None
-        out["fp8_block_dgrad_gemm_ms"] = time_ms(lambda: block_scaled_mm(gq, gs, wt, wt_scale, True))
-        gb = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        out["bf16_dgrad_ms"] = time_ms(lambda: gb @ w)
-        fast = block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True)[:m].float()
-        ref = fp8_gemm(quantize_activation(x, spec), quantize_weight(w, spec), torch.float32, backend="emulated")
-        out["block_rel_diff_vs_emulation"] = ((fast - ref).norm() / ref.norm()).item()
-        out["block_speedup_gemm_only"] = out["bf16_ms"] / out["fp8_block_gemm_ms"]
-        out["block_speedup_incl_quant"] = out["bf16_ms"] / (out["fp8_block_gemm_ms"] + out["act_quant_fused_ms"])
-        out["tflops_bf16"] = flop / out["bf16_ms"] / 1e9
-        out["tflops_fp8_block"] = flop / out["fp8_block_gemm_ms"] / 1e9
-        # the row recipe (fp8rl.quant.row_linear): row-scaled GEMM, the per-token copy, the transposed per-column one
-        from fp8rl.quant.row_linear import quantize_row_input, quantize_row_weight, row_mm
-
-        row = QuantSpec(granularity="row")
-        rw = quantize_row_weight(w, row)
-        rq, rs, _, _ = quantize_row_input(x, row)
-        assert rq is not None and rs is not None
-        out["fp8_row_gemm_ms"] = time_ms(lambda: row_mm(rq, rs, rw.q, rw.scale, m))
-        out["row_act_quant_ms"] = time_ms(lambda: quantize_row_input(x, row))  # one pass, the row copy
-        out["row_both_quant_ms"] = time_ms(lambda: quantize_row_input(x, row, colwise=True))  # + transposed copy
-        out["row_col_quant_ms"] = time_ms(lambda: quantize_row_input(x, row, rowwise=False, colwise=True))
-        out["block_both_quant_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=True))
+        out |= _block_gemm_rows(x, w, out["bf16_ms"])
+        out |= _row_gemm_rows(x, w)
     return out
+
+
+def _block_gemm_rows(x: Any, w: Any, bf16_ms: float) -> dict[str, Any]:
+    """The block recipe's GEMMs at ``x [M, K]`` and ``w [N, K]``: forward, wgrad- and dgrad-shaped, the fused
+    activation quantizer against the reference one, and the error against emulation (Hopper)."""
+    import torch
+
+    from fp8rl.quant import QuantSpec, fp8_gemm, quantize_activation, quantize_weight
+    from fp8rl.quant.block_linear import quantize_block_input, quantize_block_weight
+    from fp8rl.quant.gemm import block_scaled_mm, outer_major
+
+    (m, k), n = x.shape, w.shape[0]
+    spec = QuantSpec()
+    out: dict[str, Any] = {}
+    bw = quantize_block_weight(w, spec, transpose=False)
+    xq, xs, _, _ = quantize_block_input(x, spec, rowwise=True, colwise=False)
+    assert xq is not None and xs is not None
+    out["fp8_block_gemm_ms"] = time_ms(lambda: block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True))
+    out["act_quant_fused_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=False))
+    out["act_quant_reference_ms"] = time_ms(lambda: quantize_activation(x, spec, backend="torch", check_finite=False))
+    # wgrad-shaped: both operands 1x128-grouped along the contraction (here K plays the token role)
+    wq = quantize_activation(w, spec)
+    out["fp8_block_1x128x1x128_gemm_ms"] = time_ms(
+        lambda: block_scaled_mm(xq[:m], xs, wq.data, outer_major(wq.scale_inv), False)
+    )
+    # dgrad-shaped: dX[M, K] = dY[M, N] @ W, contraction over N (1x128 x 128x128)
+    gq, gs, _, _ = quantize_block_input(torch.randn(m, n, device="cuda", dtype=torch.bfloat16), spec, True, False)
+    bwt = quantize_block_weight(w, spec, transpose=True)
+    wt, wt_scale = bwt.qt, bwt.scale_t_cublas
+    assert gq is not None and gs is not None and wt is not None and wt_scale is not None
+    out["fp8_block_dgrad_gemm_ms"] = time_ms(lambda: block_scaled_mm(gq, gs, wt, wt_scale, True))
+    gb = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    out["bf16_dgrad_ms"] = time_ms(lambda: gb @ w)
+    fast = block_scaled_mm(xq, xs, bw.q, bw.scale_cublas, True)[:m].float()
+    ref = fp8_gemm(quantize_activation(x, spec), quantize_weight(w, spec), torch.float32, backend="emulated")
+    out["block_rel_diff_vs_emulation"] = ((fast - ref).norm() / ref.norm()).item()
+    out["block_speedup_gemm_only"] = bf16_ms / out["fp8_block_gemm_ms"]
+    out["block_speedup_incl_quant"] = bf16_ms / (out["fp8_block_gemm_ms"] + out["act_quant_fused_ms"])
+    flop = 2 * m * n * k
+    out["tflops_bf16"] = flop / bf16_ms / 1e9
+    out["tflops_fp8_block"] = flop / out["fp8_block_gemm_ms"] / 1e9
+    out["block_both_quant_ms"] = time_ms(lambda: quantize_block_input(x, spec, rowwise=True, colwise=True))
+    return out
+
+
+def _row_gemm_rows(x: Any, w: Any) -> dict[str, Any]:
+    """The row recipe (``fp8rl.quant.row_linear``): row-scaled GEMM, the per-token copy, the transposed
+    per-column one."""
+    from fp8rl.quant import QuantSpec
+    from fp8rl.quant.row_linear import quantize_row_input, quantize_row_weight, row_mm
+
+    row = QuantSpec(granularity="row")
+    rw = quantize_row_weight(w, row)
+    rq, rs, _, _ = quantize_row_input(x, row)
+    assert rq is not None and rs is not None
+    m = x.shape[0]
+    return {
+        "fp8_row_gemm_ms": time_ms(lambda: row_mm(rq, rs, rw.q, rw.scale, m)),
+        "row_act_quant_ms": time_ms(lambda: quantize_row_input(x, row)),  # one pass, the row copy
+        "row_both_quant_ms": time_ms(lambda: quantize_row_input(x, row, colwise=True)),  # + transposed copy
+        "row_col_quant_ms": time_ms(lambda: quantize_row_input(x, row, rowwise=False, colwise=True)),
+    }
 
 
 def _linear_row(m: int, n: int, k: int) -> dict[str, Any]:
@@ -230,94 +252,6 @@ def _linear_row(m: int, n: int, k: int) -> dict[str, Any]:
     return out
 
 
-def host_profile(m: int, n: int, k: int, top: int = 20) -> list[dict[str, Any]]:
-    """Host (CPU) time by op of one FP8 linear forward + backward: where the launch overhead goes."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from fp8rl.quant import QuantSpec
-    from fp8rl.train.fp8_linear import FP8TrainLinear
-
-    lin = FP8TrainLinear.from_linear(
-        torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), QuantSpec()
-    )
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        lin(x.view_as(x)).backward(g)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            lin(x.view_as(x)).backward(g)  # a new tensor each call (see _linear_row)
-    torch.cuda.synchronize()
-    rows = [{"op": e.key, "self_cpu_us_per_call": e.self_cpu_time_total / 5, "count": e.count / 5}
-            for e in prof.key_averages()]  # fmt: skip
-    return sorted(rows, key=lambda r: -r["self_cpu_us_per_call"])[:top]
-
-
-def host_costs() -> dict[str, Any]:
-    """Host microseconds per call of the pieces of the FP8 linear's hot path (no device sync in between)."""
-    import torch
-
-    from fp8rl.quant import QuantSpec, kernels
-    from fp8rl.quant.block_linear import quantize_block_input, quantize_block_weight
-    from fp8rl.quant.formats import E4M3
-    from fp8rl.quant.gemm import block_scaled_mm
-    from fp8rl.train.fp8_linear import FP8TrainLinear
-
-    x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
-    spec = QuantSpec()
-
-    def host_us(fn: Callable[[], object], calls: int = 200) -> float:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t = (time.perf_counter() - t0) / calls * 1e6
-        torch.cuda.synchronize()
-        return t
-
-    class Nothing(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
-            return a
-
-    out: dict[str, Any] = {}
-    out["quantize_groups"] = host_us(lambda: kernels.quantize_groups(x, E4M3, False, 128))
-    out["quantize_block_input_colwise"] = host_us(lambda: quantize_block_input(x, spec, rowwise=True, colwise=True))
-    out["torch_empty_x4"] = host_us(lambda: [torch.empty(1024, 4096, device="cuda") for _ in range(4)])
-    xq, xs, _, _ = quantize_block_input(x, spec, rowwise=True, colwise=False)
-    assert xq is not None and xs is not None
-    xq_, xs_ = xq, xs
-    bw = quantize_block_weight(torch.randn(4096, 4096, device="cuda").bfloat16(), spec, False)
-    out["block_scaled_mm"] = host_us(lambda: block_scaled_mm(xq_, xs_, bw.q, bw.scale_cublas, True))
-    out["bf16_mm"] = host_us(lambda: x @ x.t())
-    a = torch.randn(8, device="cuda", requires_grad=True)
-    out["empty_autograd_function"] = host_us(lambda: Nothing.apply(a))
-    lin = FP8TrainLinear.from_linear(torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16), spec)
-    xg = x.clone().requires_grad_(True)
-    out["fp8_linear_fwd_bwd"] = host_us(lambda: lin(xg.view_as(xg)).sum().backward(), calls=50)
-    base = torch.nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
-    out["bf16_linear_fwd_bwd"] = host_us(lambda: base(xg).sum().backward(), calls=50)
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):  # backward on this thread, so cProfile sees it
-        prof.enable()
-        for _ in range(20):
-            lin(xg.view_as(xg)).sum().backward()
-        prof.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-    out["cprofile_fp8_linear_20_calls"] = text.getvalue()[-6000:]
-    return out
-
-
 def run(shapes: Sequence[tuple[int, int, int]], sweep: bool = False) -> dict[str, Any]:
     import torch
 
@@ -350,63 +284,6 @@ def run(shapes: Sequence[tuple[int, int, int]], sweep: bool = False) -> dict[str
         result["host_profile_8192x4096x4096"] = host_profile(8192, 4096, 4096)
         result["host_costs_us"] = host_costs()
     return result
-
-
-def format_tables(r: dict[str, Any]) -> str:
-    lines = [
-        f"device {r['device']}, torch {r['torch']}, copy bandwidth {r['copy_gb_per_s']:.0f} GB/s (read + write)",
-        "",
-    ]
-    lines += ["| shape | quantizer | ms | GB/s | of copy |", "|---|---|---|---|---|"]
-    for q in r["quant"]:
-        lines.append(
-            f"| {q['shape'][0]}x{q['shape'][1]} | {q['kernel']} | {q['ms']:.3f} | {q['gb_per_s']:.0f} | {q['fraction_of_copy']:.0%} |"
-        )
-    lines += ["", "| M x N x K | BF16 ms | FP8 block GEMM ms | fused act quant ms | FP8 incl. quant vs BF16 | GEMM only | 1x128x1x128 ms | TFLOP/s bf16 / fp8 |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for g in r["gemm"]:
-        if "fp8_block_gemm_ms" not in g:
-            continue
-        lines.append(
-            f"| {'x'.join(map(str, g['mnk']))} | {g['bf16_ms']:.3f} | {g['fp8_block_gemm_ms']:.3f} | {g['act_quant_fused_ms']:.3f} "
-            f"| {g['block_speedup_incl_quant']:.2f}x | {g['block_speedup_gemm_only']:.2f}x | {g['fp8_block_1x128x1x128_gemm_ms']:.3f} "
-            f"| {g['tflops_bf16']:.0f} / {g['tflops_fp8_block']:.0f} |"
-        )
-    lines += ["", "| M x N x K | BF16 fwd+bwd ms | FP8 ms | speedup | back to back: BF16 / FP8 ms (host FP8 ms), speedup | device only: BF16 / FP8, speedup | W requantized each call |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for li in r["linear"]:
-        lines.append(
-            f"| {'x'.join(map(str, li['mnk']))} | {li['bf16_ms']:.3f} | {li['fp8_ms']:.3f} | {li['speedup']:.2f}x "
-            f"| {li['bf16_back_to_back_ms']:.3f} / {li['fp8_back_to_back_ms']:.3f} ({li['fp8_host_ms']:.3f}), {li['speedup_back_to_back']:.2f}x "
-            f"| {li['bf16_device_ms']:.3f} / {li['fp8_device_ms']:.3f}, {li['speedup_device']:.2f}x "
-            f"| {li['fp8_weight_requantized_each_call_ms']:.3f}, {li['speedup_weight_requantized']:.2f}x |"
-        )
-    if "sweep" in r:
-        sw = r["sweep"]
-        lines += ["", f"launch sweep (default {json.dumps(sw['default'])}, fastest {json.dumps(sw['best'])}):",
-                  "", "| shape | kernel | config | ms | of copy |", "|---|---|---|---|---|"]  # fmt: skip
-        for e in sw["rows"]:
-            lines.append(
-                f"| {e['shape'][0]}x{e['shape'][1]} | {e['kernel']} | {e['config']} | {e['ms']:.3f} | {e['fraction_of_copy']:.0%} |"
-            )
-    if "host_costs_us" in r:
-        lines += [
-            "",
-            "host us per call: "
-            + "; ".join(f"{k} {v:.1f}" for k, v in r["host_costs_us"].items() if isinstance(v, float)),
-        ]
-    if "host_costs_us" in r:
-        lines += ["", r["host_costs_us"].get("cprofile_fp8_linear_20_calls", "")]
-    if "host_profile_8192x4096x4096" in r:
-        lines += [
-            "",
-            "host time per FP8 linear fwd+bwd (8192x4096x4096), top ops: "
-            + "; ".join(
-                f"{e['op']} {e['self_cpu_us_per_call']:.0f}us x{e['count']:.0f}"
-                for e in r["host_profile_8192x4096x4096"][:12]
-            ),
-        ]
-    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
