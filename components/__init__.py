@@ -18,7 +18,7 @@ def all_components() -> dict[str, Any]:
     """``{name: component}`` of every component, by its KFP name (``rl-step``); imports kfp and each module.
     ``python -m pipelines.compile --components`` writes each as a YAML other pipelines can load
     (``kfp.components.load_component_from_file``)."""
-    from components.benchmark import benchmark, benchmark_settings
+    from components.benchmark import benchmark, benchmark_model, benchmark_recipes
     from components.compare import compare_recipes
     from components.convert import convert_to_fp8
     from components.diagnose import diagnose_mismatch
@@ -29,5 +29,5 @@ def all_components() -> dict[str, Any]:
     from components.tracking import finish_tracking, start_tracking
 
     found = [start_tracking, prepare_model, sft_warmup, convert_to_fp8, diagnose_mismatch, rl_step, evaluate,
-             benchmark_settings, benchmark, compare_recipes, finish_tracking]  # fmt: skip
+             benchmark_model, benchmark_recipes, benchmark, compare_recipes, finish_tracking]  # fmt: skip
     return {c.name.replace("_", "-"): c for c in found}

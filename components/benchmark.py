@@ -1,7 +1,5 @@
 """Throughput benchmark of one recipe's RL step: rollout / train tokens/s and weight-sync time and bytes."""
 
-from typing import NamedTuple
-
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Metrics, Model, Output
 
@@ -9,20 +7,22 @@ from components.images import COMPONENT_IMAGE, RUNTIME_IMAGE
 
 
 @dsl.component(base_image=COMPONENT_IMAGE, install_kfp_package=False)
-def benchmark_settings(preset: str, recipes: list, model_source: str, steps: int, warmup_steps: int) -> NamedTuple(
-    "BenchmarkSettings", [("recipes", list), ("model_source", str), ("steps", int), ("warmup_steps", int)]
-):
-    """The benchmark's recipes, model source, timed and warm-up steps: each parameter's value when given (recipes
-    non-empty, model_source non-empty, steps > 0, warmup_steps >= 0), else the ``preset``'s (``fp8rl bench step
-    --preset``'s layouts; the model: random weights of its shape), else the pipeline's defaults
-    (``fp8rl.bench.presets.pipeline_settings``).  Unknown presets and recipes fail here, before any other step."""
-    from collections import namedtuple
+def benchmark_model(preset: str, model_source: str) -> str:
+    """The model to benchmark: ``model_source`` when non-empty, else the ``preset``'s shape as random weights
+    (``shape:<name>``), else the tiny model (``fp8rl.bench.presets.pipeline_model``).  An unknown preset fails
+    here, before any model is made."""
+    from fp8rl.bench.presets import pipeline_model
 
-    from fp8rl.bench.presets import pipeline_settings
+    return pipeline_model(preset, model_source)
 
-    s = pipeline_settings(preset, recipes, model_source, steps, warmup_steps)
-    out = namedtuple("BenchmarkSettings", ["recipes", "model_source", "steps", "warmup_steps"])
-    return out(s.recipes, s.model_source, s.steps, s.warmup_steps)
+
+@dsl.component(base_image=COMPONENT_IMAGE, install_kfp_package=False)
+def benchmark_recipes(preset: str, recipes: list) -> list:
+    """The recipes to benchmark: ``recipes`` when non-empty, else the ``preset``'s, else the core recipes (one list
+    output, which a ParallelFor iterates).  An unknown preset or recipe fails here, before any model is made."""
+    from fp8rl.bench.presets import pipeline_recipes
+
+    return pipeline_recipes(preset, recipes)
 
 
 @dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
@@ -46,14 +46,15 @@ def benchmark(
     as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty); returns that run id.
     ``profile_train``: one more step, its policy step under the profiler (``bench/train_device_ms/<category>``).
     ``preset``: a ``fp8rl bench step --preset`` layout whose run-config settings and batch apply, ``run_config``
-    over them."""
+    over them, and whose steps apply where ``steps`` is 0 or ``warmup_steps`` -1 (without a preset: 5 and 2)."""
     from components.runtime import kfp_tags, log_kfp_metrics, log_to_recipe_run, read_run_ref, runs_fail_with_the_step
     from components.runtime import run_config as make_config
-    from fp8rl.bench.presets import get_preset
+    from fp8rl.bench.presets import get_preset, pipeline_steps
     from fp8rl.bench.throughput import benchmark_recipe
 
     ref = read_run_ref(mlflow_run)
     fields = get_preset(preset, "preset").run_fields(run_config) if preset else run_config
+    steps, warmup_steps = pipeline_steps(preset, steps, warmup_steps)
     cfg = make_config(recipe, steps + warmup_steps + int(profile_train), seed, fields, ref)
     with runs_fail_with_the_step(ref, "benchmark", recipe, seed):
         result = benchmark_recipe(

@@ -4,7 +4,7 @@ from typing import Any
 
 from kfp import dsl
 
-from components.benchmark import benchmark, benchmark_settings
+from components.benchmark import benchmark, benchmark_model, benchmark_recipes
 from pipelines import stages
 from pipelines.cluster import (
     CLUSTER_WORK_DIR,
@@ -52,18 +52,19 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
         refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
-            settings = benchmark_settings(
-                preset=preset, recipes=recipes, model_source=model_source, steps=bench_steps,
-                warmup_steps=warmup_steps,
-            ).set_display_name("benchmark settings")  # fmt: skip
-            on_cluster(settings, refs, size="small")
-            model = stages.prepare(settings.outputs["model_source"], seed, refs)
+            # single-output steps: kfp.local iterates only a pipeline input or a task's one `Output`, and hands a
+            # loop no other task's parameter output (steps and warm-up are resolved by the benchmark step itself)
+            to_run = benchmark_recipes(preset=preset, recipes=recipes).set_display_name("benchmark recipes")
+            on_cluster(to_run, refs, size="small")
+            source = benchmark_model(preset=preset, model_source=model_source).set_display_name("benchmark model")
+            on_cluster(source, refs, size="small")
+            model = stages.prepare(source.output, seed, refs)
             conversion = stages.convert(model, convert_recipe, refs)
-            with dsl.ParallelFor(settings.outputs["recipes"], parallelism=parallelism) as recipe:
+            with dsl.ParallelFor(to_run.output, parallelism=parallelism) as recipe:
                 bench = benchmark(
                     model=model.outputs["model"], mlflow_run=tracking.outputs["mlflow_run"], recipe=recipe,
                     seed=seed, run_config=run_config, pipeline_name=NAME, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                    steps=settings.outputs["steps"], warmup_steps=settings.outputs["warmup_steps"], device=device,
+                    steps=bench_steps, warmup_steps=warmup_steps, device=device,
                     profile_train=profile_train, preset=preset,
                 ).set_display_name("benchmark")  # fmt: skip
                 on_cluster(bench.after(conversion), refs, tracked=True, gpu=True)

@@ -125,41 +125,38 @@ def get_preset(name: str, field: str = "--preset") -> BenchPreset:
     return PRESETS[name]
 
 
-@dataclass(frozen=True)
-class PipelineSettings:
-    """What the ``fp8-benchmark`` pipeline runs once its parameters' "from the preset" values are resolved."""
-
-    recipes: list[str]
-    model_source: str
-    steps: int
-    warmup_steps: int
-
-
 # the fp8-benchmark pipeline's values where neither a parameter nor a preset gives one: the core recipes
 # (``fp8rl.config.CORE_RECIPES``), the tiny model every pipeline starts from by default, 5 timed and 2 warm-up steps
 PIPELINE_DEFAULT_MODEL, PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_WARMUP = "tiny", 5, 2
 
+# The fp8-benchmark pipeline's parameters, resolved: each parameter's value when given, else the preset's, else the
+# pipeline's default.  An unknown preset is a UserError naming the parameter.
 
-def pipeline_settings(
-    preset: str, recipes: list[str], model_source: str, steps: int, warmup_steps: int
-) -> PipelineSettings:  # fmt: skip
-    """The ``fp8-benchmark`` pipeline's recipes, model, timed and warm-up steps: each parameter's value when given
-    (recipes non-empty, model_source non-empty, steps > 0, warmup_steps >= 0), else the preset's (its shape as
-    ``shape:<name>``, random weights), else the pipeline's defaults (``PIPELINE_DEFAULT_*``).  Every recipe is
-    checked here, before any step runs."""
+
+def pipeline_recipes(preset: str, recipes: list[str]) -> list[str]:
+    """``recipes`` when non-empty, else the preset's, else the core recipes; every one checked (an unknown recipe is
+    a UserError naming it)."""
     from fp8rl.config import CORE_RECIPES, load_recipe
 
-    base = PipelineSettings(list(CORE_RECIPES), PIPELINE_DEFAULT_MODEL, PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_WARMUP)
-    if preset:
-        p = get_preset(preset, "preset")
-        base = PipelineSettings(list(p.recipes), f"shape:{p.shape}", p.steps, p.warmup)
-    out = PipelineSettings(
-        [str(r) for r in recipes] if recipes else base.recipes, model_source or base.model_source,
-        steps if steps > 0 else base.steps, warmup_steps if warmup_steps >= 0 else base.warmup_steps,
-    )  # fmt: skip
-    for recipe in out.recipes:
-        load_recipe(recipe)  # an unknown recipe: a UserError naming it
+    out = [str(r) for r in recipes] or (list(get_preset(preset, "preset").recipes) if preset else list(CORE_RECIPES))
+    for recipe in out:
+        load_recipe(recipe)
     return out
+
+
+def pipeline_model(preset: str, model_source: str) -> str:
+    """``model_source`` when non-empty, else the preset's shape as random weights (``shape:<name>``), else the tiny
+    model."""
+    if model_source:
+        return model_source
+    return f"shape:{get_preset(preset, 'preset').shape}" if preset else PIPELINE_DEFAULT_MODEL
+
+
+def pipeline_steps(preset: str, steps: int, warmup_steps: int) -> tuple[int, int]:
+    """Timed and warm-up steps: ``steps`` when > 0 and ``warmup_steps`` when >= 0, else the preset's, else 5 and 2."""
+    p = get_preset(preset, "preset") if preset else None
+    default_steps, default_warmup = (p.steps, p.warmup) if p else (PIPELINE_DEFAULT_STEPS, PIPELINE_DEFAULT_WARMUP)
+    return (steps if steps > 0 else default_steps), (warmup_steps if warmup_steps >= 0 else default_warmup)
 
 
 def preset_config(preset: BenchPreset, config: dict[str, Any]) -> dict[str, Any]:

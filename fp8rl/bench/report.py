@@ -8,7 +8,7 @@ logged to that run:
 | accuracy start -> end | ``summary/initial_accuracy``, ``summary/final_accuracy`` (the RL run, greedy held-out) |
 | evaluated accuracy, sampled | ``evaluate/accuracy``, ``evaluate/sampled_accuracy`` (evaluation of the trained checkpoint) |
 | token_mult_prob_error | ``summary/mean_token_mult_prob_error`` (run mean of the per-step value) |
-| rollout / train tok/s, sync | ``bench/*`` (``fp8rl.bench.throughput``) |
+| step, generate, train s; rollout / train tok/s, sync | ``bench/*`` (``fp8rl.bench.throughput``: medians of the timed steps) |
 
 A missing metric shows as ``n/a`` (e.g. a benchmark-only run has no accuracy). The report is
 Markdown (the table) and a self-contained HTML page (the table and the plots of reward,
@@ -37,6 +37,9 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("evaluated accuracy", "evaluate/accuracy", "{:.3f}"),
     ("evaluated sampled", "evaluate/sampled_accuracy", "{:.3f}"),
     ("token_mult_prob_error", "summary/mean_token_mult_prob_error", "{:.5f}"),
+    ("step s", "bench/step_s", "{:.2f}"),
+    ("generate s", "bench/generate_s", "{:.2f}"),
+    ("train s", "bench/train_s", "{:.2f}"),
     ("rollout tok/s", "bench/rollout_tokens_per_s", "{:.0f}"),
     ("train tok/s", "bench/train_tokens_per_s", "{:.0f}"),
     ("sync s", "bench/sync_s", "{:.4f}"),

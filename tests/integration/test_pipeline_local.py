@@ -95,3 +95,23 @@ def test_a_failed_run_ends_its_mlflow_runs_failed(
     (parent,) = client.search_runs([exp.experiment_id], "tags.`fp8rl.comparison` = 'true'")
     assert parent.info.status == "FAILED", parent.info
     assert parent.data.tags["fp8rl.ended_by"] == "exit-handler" and parent.data.tags["fp8rl.kfp_state"] == "FAILED"
+
+
+def test_the_benchmark_pipeline_runs_a_bench_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fp8-benchmark`` with ``preset=llama-1b-1gpu``: the recipe list comes from a step's output (the loop
+    iterates it), the preset's batch settings reach the benchmark (EOS ignored: every response is ``max_tokens``
+    long), and ``run_config`` overrides the rest (the torch engine, a tiny batch and model, for this CPU)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    work = tmp_path / "work"
+    params = ["preset=llama-1b-1gpu", "model_source=tiny", "recipes=bf16", "bench_steps=1", "warmup_steps=0",
+              "run_config={rollout: {engine: torch}, grpo: {prompts_per_step: 2, group_size: 4}, "
+              "sampling: {max_tokens: 48}, optim: {micro_batch_tokens: 512}}"]  # fmt: skip
+    assert (
+        main(["fp8-benchmark", "--local", "--work-dir", str(work), *(a for p in params for a in ("--param", p))]) == 0
+    )
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("fp8rl-bench")
+    (child,) = client.search_runs([exp.experiment_id], "tags.recipe = 'bf16'")
+    assert child.info.status == "FINISHED" and child.data.metrics["bench/step_s"] > 0
+    # the preset's sampling.ignore_eos: without it this model ends some responses early (a mean of 38.75 tokens)
+    assert child.data.metrics["bench/response_tokens"] == 48

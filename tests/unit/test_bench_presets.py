@@ -92,31 +92,28 @@ def test_the_pipelines_run_config_overrides_the_preset() -> None:
     assert fields["grpo"] == {"prompts_per_step": 2, "group_size": 8} and fields["sampling"]["ignore_eos"] is True
 
 
-def test_pipeline_settings_take_the_parameter_else_the_preset_else_the_default() -> None:
-    from fp8rl.bench.presets import pipeline_settings
+def test_the_pipelines_parameters_take_the_given_value_else_the_presets_else_the_default() -> None:
+    from fp8rl.bench.presets import pipeline_model, pipeline_recipes, pipeline_steps
     from fp8rl.config import CORE_RECIPES
 
-    plain = pipeline_settings("", [], "", 0, -1)
-    assert (plain.recipes, plain.model_source, plain.steps, plain.warmup_steps) == (list(CORE_RECIPES), "tiny", 5, 2)
     preset = PRESETS["llama-1b-1gpu"]
-    p = pipeline_settings("llama-1b-1gpu", [], "", 0, -1)
-    assert (p.recipes, p.model_source, p.steps, p.warmup_steps) == (
-        list(preset.recipes),
-        "shape:llama-1b",
-        preset.steps,
-        preset.warmup,
-    )
-    given = pipeline_settings("llama-1b-1gpu", ["bf16"], "tiny", 1, 0)
-    assert (given.recipes, given.model_source, given.steps, given.warmup_steps) == (["bf16"], "tiny", 1, 0)
-    with pytest.raises(UserError, match="preset: unknown benchmark preset 'h300'"):
-        pipeline_settings("h300", [], "", 0, -1)
+    assert pipeline_recipes("", []) == list(CORE_RECIPES)
+    assert pipeline_recipes("llama-1b-1gpu", []) == list(preset.recipes)
+    assert pipeline_recipes("llama-1b-1gpu", ["bf16"]) == ["bf16"]
+    assert (pipeline_model("", ""), pipeline_model("llama-1b-1gpu", "")) == ("tiny", "shape:llama-1b")
+    assert pipeline_model("llama-1b-1gpu", "hf://org/m") == "hf://org/m"
+    assert pipeline_steps("", 0, -1) == (5, 2)
+    assert pipeline_steps("llama-1b-1gpu", 0, -1) == (preset.steps, preset.warmup)
+    assert pipeline_steps("llama-1b-1gpu", 1, 0) == (1, 0)
+    for bad in (lambda: pipeline_recipes("h300", []), lambda: pipeline_model("h300", ""), lambda: pipeline_steps("h300", 0, -1)):  # fmt: skip
+        with pytest.raises(UserError, match="preset: unknown benchmark preset 'h300'"):
+            bad()
     with pytest.raises(UserError, match="recipe 'fp9'"):
-        pipeline_settings("", ["bf16", "fp9"], "", 0, -1)
+        pipeline_recipes("", ["bf16", "fp9"])
 
 
-def test_the_benchmark_settings_component_returns_the_resolved_settings() -> None:
-    from components.benchmark import benchmark_settings
+def test_the_benchmark_model_and_recipes_components_resolve_the_preset() -> None:
+    from components.benchmark import benchmark_model, benchmark_recipes
 
-    out = benchmark_settings.python_func(preset="llama-1b-1gpu", recipes=[], model_source="", steps=3, warmup_steps=-1)
-    assert out.recipes == list(PRESETS["llama-1b-1gpu"].recipes) and out.model_source == "shape:llama-1b"
-    assert (out.steps, out.warmup_steps) == (3, PRESETS["llama-1b-1gpu"].warmup)
+    assert benchmark_recipes.python_func(preset="llama-1b-1gpu", recipes=[]) == list(PRESETS["llama-1b-1gpu"].recipes)
+    assert benchmark_model.python_func(preset="llama-1b-1gpu", model_source="") == "shape:llama-1b"

@@ -40,8 +40,8 @@ EXECUTORS = {
                "compare-recipes", "finish-tracking"},
     "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "diagnose-mismatch",
                           "rl-step", "evaluate", "benchmark", "compare-recipes", "finish-tracking"},
-    "fp8-benchmark": {"start-tracking", "benchmark-settings", "prepare-model", "convert-to-fp8", "benchmark",
-                      "compare-recipes", "finish-tracking"},
+    "fp8-benchmark": {"start-tracking", "benchmark-recipes", "benchmark-model", "prepare-model", "convert-to-fp8",
+                      "benchmark", "compare-recipes", "finish-tracking"},
 }  # fmt: skip
 GPU_STEPS = {"evaluate", "benchmark", "diagnose-mismatch"}
 MEDIUM_STEPS = {"prepare-model", "sft-warmup", "convert-to-fp8", "rl-step"}
