@@ -38,7 +38,7 @@ def study_configs(args: argparse.Namespace) -> list[RunConfig]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from fp8rl.accuracy import run_study
-    from fp8rl.loop import validate_inputs
+    from fp8rl.build import validate_inputs
 
     if args.parallel < 1:
         raise UserError(f"--parallel must be >= 1, got {args.parallel}")

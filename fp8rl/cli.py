@@ -171,9 +171,9 @@ def _run_configs(args: argparse.Namespace) -> list[RunConfig]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from fp8rl.build import validate_inputs
     from fp8rl.devices import resolve_device
     from fp8rl.experiment import compare_recipes, tracked_run
-    from fp8rl.loop import validate_inputs
     from fp8rl.tracking import configure_mlflow
 
     cfgs = _run_configs(args)

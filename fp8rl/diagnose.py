@@ -212,8 +212,8 @@ def diagnose_run(
 
     The one entry the ``fp8rl diagnose`` command and the KFP component share.
     """
+    from fp8rl.build import prompt_format, rollout_quant_spec, task_examples
     from fp8rl.errors import UserError
-    from fp8rl.loop import prompt_format, rollout_quant_spec, task_examples
 
     if cfg.recipe.rollout_precision != "fp8":
         raise UserError(f"recipe {cfg.recipe.name!r}: its rollout is BF16, there is no FP8 disagreement to diagnose")

@@ -18,9 +18,10 @@ from typing import Any
 import yaml
 
 from fp8rl.atomic import atomic_write_text
+from fp8rl.build import task_examples
 from fp8rl.config import JsonlTaskConfig, RunConfig
 from fp8rl.devices import describe_device, resolve_device
-from fp8rl.loop import RLResult, run_rl, task_examples
+from fp8rl.loop import RLResult, run_rl
 from fp8rl.provenance import provenance_tags
 from fp8rl.tracking import (
     MetricsSink,

@@ -224,8 +224,9 @@ def section_reload(model_dir: Path, n_reloads: int = 5) -> dict[str, Any]:
 
 
 def section_rl(model_dir: Path, steps: int = 3) -> dict[str, Any]:
+    from fp8rl.build import build_parts
     from fp8rl.config import load_recipe, parse_run_config
-    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.loop import run_rl
     from fp8rl.tracking import MemorySink
 
     keys = ["reward", "mismatch/token_mult_prob_error", "mismatch/gen_kl", "time/generate_s", "time/sync_s",

@@ -2,7 +2,7 @@
 
 The checkpoint is loaded into the built-in rollout engine with the recipe's rollout precision
 and scaling (FP8 weights and activations for the FP8 recipes), and evaluated on the held-out
-examples of the run config's task (``fp8rl.loop.task_examples``, the same problems for every
+examples of the run config's task (``fp8rl.build.task_examples``, the same problems for every
 recipe and seed):
 
 - ``evaluate/accuracy``: greedy exact-match accuracy;
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fp8rl.build import build_torch_engine, task_examples
 from fp8rl.config import RunConfig
 from fp8rl.devices import resolve_device
-from fp8rl.loop import build_torch_engine, evaluate_policy, task_examples
+from fp8rl.loop import evaluate_policy
 from fp8rl.models.loading import load_tokenizer
 
 

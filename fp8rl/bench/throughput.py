@@ -1,6 +1,6 @@
 """RL-step throughput of one precision recipe: rollout and training tokens/s, weight-sync time and bytes.
 
-Method. The loop's own parts are built for the recipe (``fp8rl.loop.build_parts``: rollout
+Method. The loop's own parts are built for the recipe (``fp8rl.build.build_parts``: rollout
 engine, trainer, requantized weight sync) and ``fp8rl.loop.rl_step`` runs ``warmup_steps``
 untimed steps (allocator, kernel selection and caches settle) and then ``steps`` timed ones.
 Each step reports, from its own ``time.perf_counter`` stamps:
@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
+from fp8rl.build import build_parts, task_examples
 from fp8rl.config import RunConfig
 from fp8rl.devices import resolve_device
-from fp8rl.loop import build_parts, rl_step, task_examples
+from fp8rl.loop import rl_step
 from fp8rl.tasks import Example
 from fp8rl.train.step_profile import CALLS_PREFIX as STEP_PROFILE_CALLS
 from fp8rl.train.step_profile import (

@@ -37,9 +37,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from fp8rl.build import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
 from fp8rl.config import Correction, GRPOConfig, parse_run_config
-from fp8rl.loop import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights

@@ -69,7 +69,7 @@ class RolloutEngine(RolloutGenerator, Protocol):
 
 
 class LocalEngine(RolloutEngine, Protocol):
-    """A rollout engine the loop builds (``fp8rl.loop.build_engine``): the torch engine or vLLM.
+    """A rollout engine the loop builds (``fp8rl.build.build_engine``): the torch engine or vLLM.
 
     ``fp8_modules`` names the decoder linears it holds in FP8 (HF module names, the sync
     requantizes exactly those); ``sleep``/``wake_up`` free and restore its device memory

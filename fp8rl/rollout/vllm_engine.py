@@ -214,7 +214,7 @@ class VLLMRolloutEngine:
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, model_dir: str | os.PathLike[str], device: str) -> VLLMRolloutEngine:
-        """The engine ``fp8rl.loop.build_engine`` starts: sleep mode when the Ray layout is colocated."""
+        """The engine ``fp8rl.build.build_engine`` starts: sleep mode when the Ray layout is colocated."""
         sleep = cfg.ray is not None and cfg.ray.layout == "colocated"
         return cls(
             model_dir, cfg.recipe, cfg.rollout, seed=cfg.seed, sleep_mode=sleep, work_dir=cfg.work_dir, device=device

@@ -102,7 +102,7 @@ def _entered(*contexts: AbstractContextManager[Any]) -> Iterator[None]:
 
 
 class TETrainer(TorchTrainer):
-    """``TorchTrainer`` with TransformerEngine linears; ``opts.backend`` is ``te`` (``fp8rl.loop.build_trainer``).
+    """``TorchTrainer`` with TransformerEngine linears; ``opts.backend`` is ``te`` (``fp8rl.build.build_trainer``).
 
     Fails at construction with a ``fp8rl.errors.UserError`` where TE, a CUDA device or the
     recipe's FP8 support is missing (``require_te``), or the recipe has no TE equivalent.

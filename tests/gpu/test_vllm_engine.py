@@ -249,8 +249,9 @@ def vllm_attention_backend_name(e: Any) -> str:
 
 def test_rl_loop_with_fp8_kv_cache_recalibrates_every_step(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """The one-process loop on vLLM with ``kv_cache: fp8``: the KV scales are recalibrated after every sync."""
+    from fp8rl.build import build_parts
     from fp8rl.config import parse_run_config
-    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.loop import run_rl
     from fp8rl.tracking import MemorySink
 
     recipe = load_recipe("fp8-e2e").model_copy(update={"kv_cache": "fp8"})
@@ -341,8 +342,9 @@ def test_vllm_holds_a_partial_kv_model_mixed_and_reloads_bit_exactly(tmp_path: P
 
 def test_rl_step_on_vllm_with_the_real_model_and_its_chat_template(smollm2: Path, tmp_path: Path) -> None:
     """docs/configs/real-model.yaml (chat template, last-number reward) for one fp8-e2e step on vLLM."""
+    from fp8rl.build import build_parts
     from fp8rl.config import load_run_config_data, parse_run_config
-    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.loop import run_rl
     from fp8rl.tracking import MemorySink
 
     root = Path(__file__).resolve().parents[2]

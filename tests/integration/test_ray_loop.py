@@ -286,11 +286,12 @@ def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engi
     """kv_cache fp8 on Ray: trainer rank 0 (a real TrainerWorker actor) computes the scales from its policy and
     the driver writes them into every rollout worker.  The rollout workers here are stand-ins that record what
     they are given: the FP8 KV cache is vLLM's, and vLLM cannot run on a CPU."""
+    from fp8rl.build import build_trainer, task_examples
     from fp8rl.cluster.driver import RayParts
     from fp8rl.cluster.groups import ActorCalls as _Calls
     from fp8rl.cluster.groups import RolloutGroup, TrainerGroup
     from fp8rl.cluster.workers import TrainerWorker
-    from fp8rl.loop import build_trainer, prompt_batch, task_examples
+    from fp8rl.loop import prompt_batch
     from fp8rl.models.loading import load_tokenizer
     from fp8rl.rollout.kv_calibration import kv_scale_metrics, timed_calibration
 

@@ -125,7 +125,7 @@ def test_vllm_engine_recipes_are_checked_before_anything_runs() -> None:
 
 
 def test_trainer_sharding_is_a_ray_setting_for_either_trainer() -> None:
-    from fp8rl.loop import trainer_options
+    from fp8rl.build import trainer_options
 
     cfg = parse_run_config({"recipe": E2E, "ray": {"trainer_workers": 2, "trainer_sharding": "fsdp"}})
     assert cfg.ray is not None and cfg.ray.trainer_sharding == "fsdp"
@@ -187,8 +187,8 @@ def test_compiled_elementwise_combines_with_activation_checkpointing() -> None:
     """Refused until the compiled parts (autograd.Functions) passed under checkpointing on a GPU
     (tests/gpu/test_compiled_trainer_cuda.py, two H200s on 2026-11-26); now a config and the trainer's options
     take both, and the run config carries them to the trainer."""
+    from fp8rl.build import trainer_options
     from fp8rl.config import OptimConfig
-    from fp8rl.loop import trainer_options
 
     optim = OptimConfig(compile_elementwise=True, activation_checkpointing=True)
     assert optim.compile_elementwise and optim.activation_checkpointing

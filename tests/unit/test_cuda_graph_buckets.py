@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.build import trainer_options
 from fp8rl.config import GRPOConfig, RunConfig, load_recipe
-from fp8rl.loop import trainer_options
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 

@@ -114,7 +114,8 @@ def _cfg(recipe: str, tmp_path: Path, **quant: int) -> RunConfig:
 def test_a_run_whose_fp8_recipe_holds_no_fp8_linear_fails_before_the_first_step(
     tmp_path: Path, tiny_models: dict[str, Path]
 ) -> None:
-    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.build import build_parts
+    from fp8rl.loop import run_rl
     from fp8rl.tracking import MemorySink
 
     parts = build_parts(_cfg("fp8-e2e", tmp_path), tiny_models["tiny"], "cpu")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.build import build_parts, task_examples
 from fp8rl.config import RunConfig, load_recipe
-from fp8rl.loop import build_parts, rl_step, task_examples
+from fp8rl.loop import rl_step
 from fp8rl.rollout.kv_calibration import calibrate_kv_scales, calibration_rows
 from fp8rl.train.trainer import build_batch
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.build import trainer_options
 from fp8rl.config import ConfigError, GRPOConfig, load_recipe, parse_run_config
-from fp8rl.loop import trainer_options
 from fp8rl.train.optim import StateOffload
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 import fp8rl.train.te_trainer as te_trainer
+from fp8rl.build import build_trainer
 from fp8rl.config import ConfigError, GRPOConfig, load_recipe, parse_recipe, parse_run_config
 from fp8rl.errors import UserError
-from fp8rl.loop import build_trainer
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
 from fp8rl.train.te_recipes import (

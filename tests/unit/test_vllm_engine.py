@@ -602,7 +602,8 @@ def test_a_resumed_run_recalibrates_kv_scales_for_the_restored_policy(
 ) -> None:
     """``run_rl`` calibrates before the step-0 evaluation, again once a checkpoint is restored, and after every
     sync; the trainer's step count at each call says which policy the scales came from."""
-    from fp8rl.loop import build_parts, run_rl
+    from fp8rl.build import build_parts
+    from fp8rl.loop import run_rl
     from fp8rl.tracking import MemorySink
 
     def run(steps: int) -> list[int]:

@@ -96,7 +96,7 @@ def _run_config(task: dict[str, object], eval_examples: int = 500) -> object:
 
 
 def test_the_run_config_serves_the_task_through_the_loop() -> None:
-    from fp8rl.loop import task_examples
+    from fp8rl.build import task_examples
 
     cfg = _run_config({"type": "word-problems", "difficulty": 2, "train_size": 2_000})
     train, heldout = task_examples(cfg)  # type: ignore[arg-type]
