@@ -24,7 +24,6 @@ driver replace every actor and resume from the last checkpoint, at most
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from fp8rl.cluster.groups import ActorCalls, RolloutGroup, TrainerGroup, WorkerDied
 from fp8rl.cluster.memory import merge_peaks
 from fp8rl.cluster.placement import bundles, names_of, place, start_actors
+from fp8rl.cluster.transports import transport_for
 from fp8rl.config import RayConfig, RunConfig, kv_scales_calibrated
 from fp8rl.errors import UserError
 from fp8rl.fp8_coverage import fp8_linear_counts
@@ -42,27 +42,24 @@ from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant.launch_config import LAUNCH_ENV
 from fp8rl.rollout.kv_calibration import kv_scale_metrics
-from fp8rl.sync import SyncStats
+from fp8rl.sync import PolicySync, SyncStats
 from fp8rl.tracking import MetricsSink
 from fp8rl.train.trainer import SequenceBatch
 
 
 @dataclass
 class RayParts:
-    """``fp8rl.loop.Parts`` on Ray actors, with object-store weight sync."""
+    """``fp8rl.loop.Parts`` on Ray actors; the weight sync is the transport ``ray.sync`` names
+    (``fp8rl.cluster.transports``)."""
 
     tok: PreTrainedTokenizerBase
     bf16_bytes: int
     engine: RolloutGroup
     trainer: TrainerGroup
     model_dir: str
-    verify: bool
     placement_group: Any
-    fp8_names: list[str]
-    # set when RayConfig.sync is "collective": what the broadcast carries, agreed once
-    sync_layout: Any = None
+    sync: PolicySync
     calibrate_kv_scales: bool = False  # config.kv_scales_calibrated: calibrate_kv recalibrates the engines' scales
-    ipc: bool = False  # RayConfig.sync "ipc": each rollout worker maps its trainer rank's packed payload
     sleep_after_sync: bool = True  # RayConfig.sleep_after_sync: False keeps colocated engines awake until generation
     fp8_linears: dict[str, int] = field(default_factory=dict)  # fp8rl.fp8_coverage.fp8_linear_counts
 
@@ -71,74 +68,22 @@ class RayParts:
         every engine; ``kv/...`` metrics.  ``{}`` for a bf16 KV cache or one vLLM scales per token and head."""
         if not self.calibrate_kv_scales:
             return {}
-        scales, seconds = self.trainer.lead("kv_scales", batch)
+        scales, seconds = self.trainer.kv_scales(batch)
         self.engine.wake_up()
         self.engine.calls.get([a.set_kv_scales.remote(scales) for a in self.engine.actors], self.engine.names)
-        self._after_sync()
+        self.after_sync()
         return kv_scale_metrics(scales, seconds)
 
-    def _after_sync(self) -> None:
+    def after_sync(self) -> None:
         """The engines go back to sleep after a load, unless they are to stay awake until the next generation."""
         if self.sleep_after_sync:
             self.engine.sleep()
 
     def push_weights(self, version: int) -> SyncStats:
-        if self.sync_layout is not None:
-            return self._push_collective(version)
-        if self.ipc:
-            return self._push_ipc(version)
-        t0 = time.perf_counter()
-        # requantized once, on trainer rank 0; the payload stays in the object store and each
-        # rollout worker fetches it by reference (sharded: every rank joins the gather of the weights)
-        trainers = self.trainer.actors if self.trainer.sharded else self.trainer.actors[:1]
-        payload_refs = [a.rollout_payload.remote(self.fp8_names) for a in trainers]
-        self.engine.wake_up()
-        loads = [a.load_weights.remote(payload_refs[0], version, self.verify) for a in self.engine.actors]
-        sizes = self.engine.calls.get(loads, [f"{n}.load_weights" for n in self.engine.names])
-        self.trainer.calls.get(payload_refs[1:], [f"{n}.rollout_payload" for n in self.trainer.names[1:]])
-        self._after_sync()
-        self.engine.policy_version = version
-        seconds = time.perf_counter() - t0
-        return SyncStats(version, int(sizes[0]), len(self.fp8_names), 0.0, seconds, self.verify)
-
-    def _push_collective(self, version: int) -> SyncStats:
-        """Trainer rank 0 broadcasts in buckets; every rollout worker receives into its engine in place."""
-        engine = self.engine
-        engine.wake_up()
-        trainers = self.trainer.actors if self.trainer.sharded else self.trainer.actors[:1]
-        sends = [a.push_weights.remote(version) for a in trainers]
-        receives = [a.receive_weights.remote(self.sync_layout, version) for a in engine.actors]
-        t_names = [f"{n}.push_weights" for n in self.trainer.names[: len(sends)]]
-        sent, *_rest = engine.calls.get([*sends, *receives], [*t_names, *engine.names])
-        self._after_sync()
-        engine.policy_version = version
-        nbytes, requant_s, transfer_s = sent
-        return SyncStats(version, int(nbytes), len(self.fp8_names), requant_s, transfer_s, self.verify)
-
-    def _push_ipc(self, version: int) -> SyncStats:
-        """Trainer rank i packs its requantized payload into a device buffer; rollout worker i, on the same GPU,
-        maps it through CUDA IPC and loads from it; then the buffers are freed (sharded: every rank joins the
-        gather, the first ``len(engine.actors)`` ranks share)."""
-        engine, trainer = self.engine, self.trainer
-        senders = trainer.actors if trainer.sharded else trainer.actors[: len(engine.actors)]
-        names = trainer.names[: len(senders)]
-        shared = trainer.calls.get([a.share_rollout_payload.remote(self.fp8_names) for a in senders],
-                                   [f"{n}.share_rollout_payload" for n in names])  # fmt: skip
-        try:
-            engine.wake_up()
-            loads = [a.load_shared.remote(shared[i][0], version, self.verify) for i, a in enumerate(engine.actors)]
-            loaded = engine.calls.get(loads, [f"{n}.load_shared" for n in engine.names])
-        finally:
-            trainer.calls.get([a.release_shared.remote() for a in senders], [f"{n}.release_shared" for n in names])
-        self._after_sync()
-        engine.policy_version = version
-        requant_s = max(s[1] for s in shared if s is not None)
-        return SyncStats(
-            version, int(loaded[0][0]), len(self.fp8_names), requant_s, max(b[1] for b in loaded), self.verify
-        )
+        return self.sync.push(version)
 
     def save_policy(self, output_dir: str | Path) -> None:
-        self.trainer.lead("save_policy", str(output_dir), self.model_dir)
+        self.trainer.save_policy(str(output_dir), self.model_dir)
 
     def gpu_peaks(self, reset: bool = False) -> dict[str, int]:
         """Peak bytes in use per GPU since the start or the last reset, keyed by the actors on it
@@ -184,7 +129,6 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     trainer = TrainerGroup(trainers, calls, names_of("trainer", rc.trainer_workers), rc.trainer_sharding == "fsdp")
     if not rc.sleep_after_sync:  # the trainer state's gather (a checkpoint) runs with the engines asleep
         trainer.before_full_state = engine.sleep
-    layout = _init_collective_sync(calls, trainer, rollouts, rc, fp8_names) if rc.sync == "collective" else None
     mem = calls.get(trainers[0].memory.remote(), "trainer-0.memory")
     held_mb = (mem["param_bytes"] + mem["master_bytes"] + mem["optimizer_state_bytes"]) / 2**20
     where_state = ", AdamW state in host memory between steps" if mem["optimizer_state_offloaded"] else ""
@@ -194,25 +138,13 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
         f"{f', rollout tensor parallel {tp}' if (tp := cfg.rollout.tensor_parallel_size) > 1 else ''} "
         f"(rank 0 holds {held_mb:.1f} MB of weights, fp32 masters and AdamW state{where_state})"
     )
+    after_sync = engine.sleep if rc.sleep_after_sync else (lambda: None)
     return RayParts(
-        load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), cfg.verify_sync, where.group,
-        fp8_names, layout, kv_scales_calibrated(cfg.recipe, cfg.rollout), rc.sync == "ipc", rc.sleep_after_sync,
-        fp8_linears,
+        load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), where.group,
+        transport_for(rc, engine, trainer, fp8_names, cfg.verify_sync, after_sync),
+        calibrate_kv_scales=kv_scales_calibrated(cfg.recipe, cfg.rollout), sleep_after_sync=rc.sleep_after_sync,
+        fp8_linears=fp8_linears,
     )  # fmt: skip
-
-
-def _init_collective_sync(
-    calls: ActorCalls, trainer: TrainerGroup, receivers: list[Any], rc: RayConfig, fp8_names: list[str]
-) -> Any:
-    """Form the sync group (trainer rank 0 + every rollout worker) and agree on the payload layout."""
-    sender = trainer.actors[0]
-    address = calls.get(sender.free_address.remote(), "trainer-0.free_address")
-    init_method = "tcp://{}:{}".format(*address)
-    world = 1 + len(receivers)
-    joins = [sender.init_sync_group.remote(init_method, world, fp8_names, rc.sync_bucket_mb)]
-    joins += [r.init_sync_group.remote(init_method, i + 1, world) for i, r in enumerate(receivers)]
-    calls.get(joins, "sync group")
-    return trainer.lead("sync_layout")
 
 
 def ensure_ray(rc: RayConfig, num_actors: int) -> bool:

@@ -202,12 +202,24 @@ class TrainerGroup:
     # called before the trainer state is gathered (colocated engines kept awake after a sync: put them to sleep)
     before_full_state: Callable[[], None] | None = None
 
-    def lead(self, method: str, *args: Any) -> Any:
-        """``method`` on rank 0, whose answer counts; sharded, on every rank (a collective), rank 0 answering."""
+    def _lead(self, method: str, call: Callable[[Any], Any]) -> Any:
+        """``call(actor)`` (one remote call of ``method``) on rank 0, whose answer counts; sharded, on every rank (a
+        collective), rank 0 answering."""
         if not self.sharded:
-            return self.calls.get(getattr(self.actors[0], method).remote(*args), f"{self.names[0]}.{method}")
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return self.calls.get(refs, [f"{n}.{method}" for n in self.names])[0]
+            return self.calls.get(call(self.actors[0]), f"{self.names[0]}.{method}")
+        return self.calls.get([call(a) for a in self.actors], [f"{n}.{method}" for n in self.names])[0]
+
+    def kv_scales(self, batch: SequenceBatch) -> tuple[Any, float]:
+        """The FP8 KV cache's scales from the policy's activations on ``batch``, and the seconds it took."""
+        scales, seconds = self._lead("kv_scales", lambda a: a.kv_scales.remote(batch))
+        return scales, float(seconds)
+
+    def sync_layout(self) -> Any:
+        """What the collective weight sync's broadcast carries (``fp8rl.sync.SyncLayout``), agreed once."""
+        return self._lead("sync_layout", lambda a: a.sync_layout.remote())
+
+    def save_policy(self, output_dir: str, model_dir: str) -> None:
+        self._lead("save_policy", lambda a: a.save_policy.remote(output_dir, model_dir))
 
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
@@ -294,7 +306,7 @@ class TrainerGroup:
     def state_dict(self) -> dict[str, Any]:
         if self.before_full_state is not None:
             self.before_full_state()
-        state: dict[str, Any] = self.lead("state_dict")
+        state: dict[str, Any] = self._lead("state_dict", lambda a: a.state_dict.remote())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -4,11 +4,13 @@ After every optimizer step the trainer's weights are requantized ONCE with the r
 recipe (FP8 + scales for the engine's FP8 linears, bf16 for the rest) and pushed with a
 policy version; the engine loads them in place and then serves that version.  The verify
 mode reads the engine's weights back and proves they equal quantize(trainer weights) bit
-for bit.  This module has the in-process implementation; Ray/NCCL ones come with issue 4.
+for bit.  This package has the in-process implementation, the NCCL broadcast and the CUDA IPC payloads; the Ray
+transports that use them are ``fp8rl.cluster.transports``.
 """
 
 from fp8rl.sync.inprocess import (
     InProcessWeightSync,
+    PolicySync,
     SyncStats,
     SyncVerificationError,
     WeightSync,
@@ -21,6 +23,7 @@ from fp8rl.sync.nccl import NcclWeightSync, SyncLayout, broadcast_payload, layou
 __all__ = [
     "InProcessWeightSync",
     "NcclWeightSync",
+    "PolicySync",
     "SyncLayout",
     "SyncStats",
     "SyncVerificationError",

@@ -31,7 +31,16 @@ class SyncVerificationError(RuntimeError):
 
 
 class WeightSync(Protocol):
+    """Given weights (the trainer's, in this process) -> the engine, requantized, as policy ``version``."""
+
     def push(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats: ...
+
+
+class PolicySync(Protocol):
+    """The trainer's current weights -> the engine(s), requantized, as policy ``version``, wherever both live: the
+    one-process parts' ``push_weights`` and each Ray transport (``fp8rl.cluster.transports``)."""
+
+    def push(self, version: int) -> SyncStats: ...
 
 
 def requantize_for_rollout(

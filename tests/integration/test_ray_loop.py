@@ -290,6 +290,7 @@ def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engi
     from fp8rl.cluster.driver import RayParts
     from fp8rl.cluster.groups import ActorCalls as _Calls
     from fp8rl.cluster.groups import RolloutGroup, TrainerGroup
+    from fp8rl.cluster.transports import ObjectStoreSync
     from fp8rl.cluster.workers import TrainerWorker
     from fp8rl.loop import prompt_batch
     from fp8rl.models.loading import load_tokenizer
@@ -319,10 +320,11 @@ def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engi
     trainer = ray.remote(TrainerWorker).remote(0, 1, "", cfg.model_dump(mode="json"), str(warm_model))
     engines = [RecordingEngine.remote() for _ in range(2)]
     group = TrainerGroup([trainer], calls, ["trainer-0"])
+    engine = RolloutGroup(engines, calls, False, 0, 0, ["rollout-0", "rollout-1"])
+    sync = ObjectStoreSync(engine, group, [], False, engine.sleep)
     parts = RayParts(
-        load_tokenizer(warm_model), 0, RolloutGroup(engines, calls, False, 0, 0, ["rollout-0", "rollout-1"]), group,
-        str(warm_model), False, None, [], None, "fp8",
-    )  # fmt: skip
+        load_tokenizer(warm_model), 0, engine, group, str(warm_model), None, sync, calibrate_kv_scales=True
+    )
     train_pool, _ = task_examples(cfg)
     batch = prompt_batch(cfg, parts, train_pool[:8])
     metrics = parts.calibrate_kv(batch)
