@@ -228,6 +228,16 @@ def _headline(meta: dict[str, Any]) -> str:
     return head + (f" ({', '.join(settings)})" if settings else "")
 
 
+def _peak_cell(r: ThroughputResult) -> str:
+    """The "peak GB" cell: one process, its peak allocation; Ray, the fullest GPU's peak used memory, or on several
+    GPUs each one's, named by its actors (the table's note says which)."""
+    per_gpu = r.peak_gpu_used_gb_per_gpu
+    if per_gpu and len(per_gpu) > 1:
+        return ", ".join(f"{actors} {gb:.1f}" for actors, gb in per_gpu.items())
+    peak = r.peak_gpu_used_gb if r.peak_gpu_used_gb is not None else r.peak_allocated_gb
+    return f"{peak:.1f}" if peak is not None else "-"
+
+
 def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The JSON document and the Markdown table of a step benchmark."""
     ups = speedups(results)
@@ -249,9 +259,7 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
         def x(key: str, up: dict[str, float] = up) -> str:
             return f"{up[key]:.2f}x" if key in up else "-"
 
-        peak = f"{r.peak_memory_gb:.1f}" if r.peak_memory_gb is not None else "-"
-        if r.gpu_peak_memory_gb and len(r.gpu_peak_memory_gb) > 1:  # Ray on several GPUs: each, named by its actors
-            peak = ", ".join(f"{actors} {gb:.1f}" for actors, gb in r.gpu_peak_memory_gb.items())
+        peak = _peak_cell(r)
         lines.append(
             f"| {r.recipe} | {r.step_s:.2f} | {x('step')} | {r.generate_s:.2f} | {r.logprob_s:.2f} | {r.train_s:.2f} "
             f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
@@ -272,6 +280,11 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
         ]  # fmt: skip
         if any(parts):
             notes.append(f"- {r.recipe}: " + "; ".join(p for p in parts if p))
+    if any(r.peak_gpu_used_gb is not None for r in results):
+        notes.append("- peak GB: the peak used memory of each GPU (as nvidia-smi counts it: every process, caches "
+                     "included), sampled over the timed steps")  # fmt: skip
+    elif any(r.peak_allocated_gb is not None for r in results):
+        notes.append("- peak GB: this process's peak CUDA allocation over the timed steps (torch's allocator)")
     if notes:
         lines += ["", *notes]
     lines += profile_table(results)

@@ -11,10 +11,12 @@ Each step reports, from its own ``time.perf_counter`` stamps:
 - step seconds = the whole step, and its parts: generate, logprob (the trainer's recompute),
   train (the optimizer step), sync, and idle (the rest: rewards, advantages, bookkeeping);
 - padding waste = the share of the tokens the trainer's forwards ran that were padding;
-- peak GPU memory: the one-process loop, this process's CUDA allocations; on Ray, each GPU's used
-  memory as nvidia-smi counts it (every process on it), sampled by the actors over the timed steps
-  (``fp8rl.cluster.memory``), the fullest GPU in ``peak_memory_gb`` and each, named by the actors on it
-  (``trainer-0+rollout-0``), in ``gpu_peak_memory_gb``.
+- peak GPU memory, named for what it measures: the one-process loop, this process's peak CUDA allocation
+  (``peak_allocated_gb``, torch's allocator: what the tensors held, not the allocator's cache nor other
+  processes); on Ray, each GPU's used memory as nvidia-smi counts it (every process on it, caches included),
+  sampled by the actors over the timed steps (``fp8rl.cluster.memory``): the fullest GPU's in
+  ``peak_gpu_used_gb`` and each GPU's, named by the actors on it (``trainer-0+rollout-0``), in
+  ``peak_gpu_used_gb_per_gpu``.
 
 The result is the median over the timed steps of each (robust to one slow step). Response
 tokens are counted from the response mask, so a recipe whose policy stops earlier gets fewer
@@ -102,10 +104,12 @@ class ThroughputResult:
     # parts of sync_s as the transport timed them: requantize (+ pack), transfer + load (+ verify)
     sync_requantize_s: float = 0.0
     sync_load_s: float = 0.0
-    # one process: its peak CUDA allocation; Ray: the fullest GPU's peak used memory (None: CPU, no NVML)
-    peak_memory_gb: float | None = None
+    # one process on CUDA: this process's peak allocation (torch's allocator; None elsewhere)
+    peak_allocated_gb: float | None = None
+    # Ray on GPUs: the fullest GPU's peak used memory (NVML: every process, caches included; None elsewhere)
+    peak_gpu_used_gb: float | None = None
     # Ray on GPUs: the peak used memory of each GPU over the timed steps, keyed by the actors on it
-    gpu_peak_memory_gb: dict[str, float] | None = None
+    peak_gpu_used_gb_per_gpu: dict[str, float] | None = None
     # part of sync_s: the FP8 KV-cache recalibration after the push (None: a bf16 KV cache)
     kv_calibrate_s: float | None = None
     # colocated vLLM rollout workers: device memory their engines freed by sleeping (None: not measured)
@@ -150,12 +154,15 @@ class ThroughputResult:
 
     def metrics(self, prefix: str = "bench/") -> dict[str, float]:
         """The numbers as MLflow/KFP metrics (``bench/rollout_tokens_per_s``, ...; peak memory where measured,
-        each Ray GPU as ``bench/peak_memory_gb/<actors on it>``)."""
+        ``bench/peak_allocated_gb`` in one process, ``bench/peak_gpu_used_gb`` and each Ray GPU's as
+        ``bench/peak_gpu_used_gb/<actors on it>``)."""
         out = {f"{prefix}{name}": float(getattr(self, name)) for name in STEP_METRICS.values()}
-        if self.peak_memory_gb is not None:
-            out[f"{prefix}peak_memory_gb"] = self.peak_memory_gb
-        for actors, gb in (self.gpu_peak_memory_gb or {}).items():  # MLflow metric names have no '+'
-            out[f"{prefix}peak_memory_gb/{actors.replace('+', '_')}"] = gb
+        if self.peak_allocated_gb is not None:
+            out[f"{prefix}peak_allocated_gb"] = self.peak_allocated_gb
+        if self.peak_gpu_used_gb is not None:
+            out[f"{prefix}peak_gpu_used_gb"] = self.peak_gpu_used_gb
+        for actors, gb in (self.peak_gpu_used_gb_per_gpu or {}).items():  # MLflow metric names have no '+'
+            out[f"{prefix}peak_gpu_used_gb/{actors.replace('+', '_')}"] = gb
         for cat, ms in (self.train_device_ms or {}).items():
             out[f"{prefix}train_device_ms/{cat}"] = ms
         for cat, n in (self.train_kernel_calls or {}).items():
@@ -227,18 +234,15 @@ def benchmark_recipe(
         finally:
             _stop_ray(started_ray)
     medians = step_medians(timed)
-    if cfg.ray is None:
-        peak = local_peak  # of the timed steps (read before a profiled step)
-    else:
-        peak = max(per_gpu.values()) if per_gpu else None
     return ThroughputResult(
         recipe=cfg.recipe.name,
         device=device,
         device_name=device_name(device),
         steps=steps,
         warmup_steps=warmup_steps,
-        peak_memory_gb=peak,
-        gpu_peak_memory_gb=per_gpu or None,
+        peak_allocated_gb=local_peak,  # of the timed steps (read before a profiled step)
+        peak_gpu_used_gb=max(per_gpu.values()) if per_gpu else None,
+        peak_gpu_used_gb_per_gpu=per_gpu or None,
         **profiled,
         **medians,
     )

@@ -36,5 +36,6 @@ def test_bench_on_ray_starts_and_stops_a_local_ray(tiny_models: dict[str, Path],
     assert result.train_device_ms is not None and result.train_device_ms["gemm"] > 0
     assert any("(profiled, not timed)" in line for line in lines)
     # CPU actors have no GPU to sample: no peak is made up
-    assert result.peak_memory_gb is None and result.gpu_peak_memory_gb is None
+    assert result.peak_gpu_used_gb is None and result.peak_gpu_used_gb_per_gpu is None
+    assert result.peak_allocated_gb is None
     assert not ray.is_initialized()  # the benchmark's own Ray is shut down with it

@@ -187,7 +187,7 @@ def test_bench_step_compares_recipes_in_one_run(
         assert r["response_tokens"] == 24  # EOS ignored: every response runs to max_tokens
         parts = r["generate_s"] + r["logprob_s"] + r["train_s"] + r["sync_s"]
         assert 0 < parts <= r["step_s"] * 1.5 and r["idle_s"] >= 0
-        assert r["steps"] == 2 and r["warmup_steps"] == 1 and r["peak_memory_gb"] is None  # CPU
+        assert r["steps"] == 2 and r["warmup_steps"] == 1 and r["peak_allocated_gb"] is None  # CPU
         # --profile-train: one more step (in the recipe's own process), its policy step's time by category
         assert r["train_device_ms"]["gemm"] > 0 and r["train_device_ms"]["other"] > 0 and r["profiled_train_s"] > 0
         assert set(r["train_kernel_calls"]) == set(r["train_device_ms"]) and r["train_kernel_calls"]["gemm"] >= 1

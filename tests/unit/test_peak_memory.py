@@ -79,17 +79,17 @@ def test_actors_sharing_a_gpu_count_it_once_and_cpu_actors_not_at_all() -> None:
 
 
 def test_step_report_shows_each_gpus_peak_on_several_gpus() -> None:
-    two = ThroughputResult("bf16", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_memory_gb=70.5,
-                           gpu_peak_memory_gb={"trainer-0": 40.25, "rollout-0": 70.5})  # fmt: skip
-    one = ThroughputResult("fp8-e2e", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_memory_gb=30.0,
-                           gpu_peak_memory_gb={"trainer-0+rollout-0": 30.0})  # fmt: skip
+    two = ThroughputResult("bf16", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_gpu_used_gb=70.5,
+                           peak_gpu_used_gb_per_gpu={"trainer-0": 40.25, "rollout-0": 70.5})  # fmt: skip
+    one = ThroughputResult("fp8-e2e", "cuda", "GPU", 2, 1, 10.0, 10.0, 0.5, 1.0, 2.0, 8.0, peak_gpu_used_gb=30.0,
+                           peak_gpu_used_gb_per_gpu={"trainer-0+rollout-0": 30.0})  # fmt: skip
     ray = RayConfig(layout="split", sync="collective").model_dump(mode="json")  # as run_metadata writes it
     doc, md = report([two, one], {"model": "llama-3b", "device_name": "GPU", "gpus": 2, "ray": ray})
     assert md.startswith("RL step benchmark: llama-3b on 2x GPU, Ray split layout, 1 trainer (replicate) + 1 rollout "
                          "worker(s), sync collective,")  # fmt: skip
     rows = [line for line in md.splitlines() if line.startswith("| bf16") or line.startswith("| fp8-e2e")]
     assert rows[0].endswith("| trainer-0 40.2, rollout-0 70.5 |") and rows[1].endswith("| 30.0 |")
-    assert doc["results"][0]["gpu_peak_memory_gb"] == {"trainer-0": 40.25, "rollout-0": 70.5}
+    assert doc["results"][0]["peak_gpu_used_gb_per_gpu"] == {"trainer-0": 40.25, "rollout-0": 70.5}
 
-    assert two.metrics()["bench/peak_memory_gb/rollout-0"] == 70.5 and two.metrics()["bench/peak_memory_gb"] == 70.5
-    assert one.metrics()["bench/peak_memory_gb/trainer-0_rollout-0"] == 30.0  # MLflow-safe: no '+'
+    assert two.metrics()["bench/peak_gpu_used_gb/rollout-0"] == 70.5 and two.metrics()["bench/peak_gpu_used_gb"] == 70.5
+    assert one.metrics()["bench/peak_gpu_used_gb/trainer-0_rollout-0"] == 30.0  # MLflow-safe: no '+'
