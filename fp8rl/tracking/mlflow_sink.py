@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fp8rl.errors import UserError
 from fp8rl.tracking.sink import ClosesOnExit, RunStatus, flatten_params
@@ -43,12 +43,6 @@ DB_NAME = "mlflow.db"
 ARTIFACTS_DIR = "mlruns-artifacts"
 RECIPE_KEY = "recipe"
 PARENT_RUN_TAG = "mlflow.parentRunId"
-
-# mlflow.utils.validation: MAX_PARAMS_TAGS_PER_BATCH, MAX_METRICS_PER_BATCH
-_PARAMS_TAGS_PER_BATCH = 100
-_METRICS_PER_BATCH = 1000
-
-_T = TypeVar("_T")
 
 
 def default_tracking_uri(work_dir: str | os.PathLike[str]) -> str:
@@ -159,17 +153,16 @@ class MlflowSink(ClosesOnExit):
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
+        # log_batch splits into MLflow's per-request limits itself (100 params or tags, 1,000 metrics)
         entries = [Param(k, v) for k, v in flatten_params(params).items()]
-        for chunk in _chunks(entries, _PARAMS_TAGS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=chunk, synchronous=True)
+        self._client.log_batch(self.run_id, params=entries, synchronous=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
         entries = [Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
-        for chunk in _chunks(entries, _METRICS_PER_BATCH):
-            self._client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+        self._client.log_batch(self.run_id, metrics=entries, synchronous=True)
 
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -182,8 +175,7 @@ class MlflowSink(ClosesOnExit):
         from mlflow.entities import RunTag
 
         entries = [RunTag(k, str(v)) for k, v in tags.items()]
-        for chunk in _chunks(entries, _PARAMS_TAGS_PER_BATCH):
-            self._client.log_batch(self.run_id, tags=chunk, synchronous=True)
+        self._client.log_batch(self.run_id, tags=entries, synchronous=True)
 
     def log_datasets(self, datasets: Sequence[DatasetRecord]) -> None:
         """The run's dataset inputs (``fp8rl.tracking.datasets``), each tagged with its context (training or
@@ -226,8 +218,3 @@ def _experiment_id(client: MlflowClient, name: str, artifact_location: str | Non
     if experiment.lifecycle_stage != "active":
         raise UserError(f"MLflow experiment {name!r} is deleted; restore it or choose another experiment name")
     return str(experiment.experiment_id)
-
-
-def _chunks(items: Sequence[_T], size: int) -> Iterator[list[_T]]:
-    for start in range(0, len(items), size):
-        yield list(items[start : start + size])

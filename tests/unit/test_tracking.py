@@ -99,7 +99,7 @@ def test_metrics_keep_their_steps_and_large_batches_are_split(work_dir: Path, ex
     with MlflowSink(experiment, "r", work_dir) as sink:
         for step, reward in enumerate(rewards):
             sink.log_metrics({"reward": reward, TOKEN_MULT_PROB_ERROR: 1.0 + step / 100}, step=step)
-        # more keys than MLflow accepts in one log_batch (1000): the sink must chunk
+        # more keys than MLflow accepts in one log_batch (1000): MlflowClient.log_batch splits them
         sink.log_metrics({f"layer{i}/amax": float(i) for i in range(1200)}, step=0)
     client = client_for(work_dir)
     history = sorted((m.step, m.value) for m in client.get_metric_history(sink.run_id, "reward"))
