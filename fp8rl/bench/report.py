@@ -139,20 +139,7 @@ def build_comparison_report(
     ``context`` lines (e.g. the KFP run) go under the title; ``appendix_markdown`` (e.g. the FP8
     conversion report) at the end.
     """
-    metrics = sorted({m for _, m, _ in COLUMNS} | set(PLOTS))
-    runs = fetch_recipe_runs(experiment, parent_run_id, tracking_uri, metrics)
-    if run_ids is not None:
-        found = {r.run_id for r in runs}
-        missing = [i for i in run_ids if i not in found]
-        if missing:
-            raise UserError(
-                f"MLflow runs {missing} are not recipe runs under comparison run {parent_run_id} "
-                f"in experiment {experiment!r} at {tracking_uri}"
-            )
-        wanted = set(run_ids)
-        runs = [r for r in runs if r.run_id in wanted]
-    if not runs:
-        raise UserError(f"no recipe runs under comparison run {parent_run_id} in experiment {experiment!r}")
+    runs = _recipe_runs(experiment, parent_run_id, tracking_uri, run_ids)
     table = markdown_table(runs)
     plots = _plots(runs)
     where = [
@@ -171,11 +158,41 @@ def build_comparison_report(
         ]
     if appendix_markdown:
         md += ["", appendix_markdown.strip(), ""]
+    page = _html_page(title, where, runs, plots, appendix_markdown)
+    return ComparisonReport(table=table, markdown="\n".join(md).rstrip() + "\n", html=page, plots=plots, runs=runs)
+
+
+def _recipe_runs(
+    experiment: str, parent_run_id: str, tracking_uri: str, run_ids: Sequence[str] | None
+) -> list[RunSummary]:  # fmt: skip
+    """The recipe runs under ``parent_run_id`` with the report's metrics; only ``run_ids`` when given, each of which
+    must be there."""
+    metrics = sorted({m for _, m, _ in COLUMNS} | set(PLOTS))
+    runs = fetch_recipe_runs(experiment, parent_run_id, tracking_uri, metrics)
+    if run_ids is not None:
+        found = {r.run_id for r in runs}
+        missing = [i for i in run_ids if i not in found]
+        if missing:
+            raise UserError(
+                f"MLflow runs {missing} are not recipe runs under comparison run {parent_run_id} "
+                f"in experiment {experiment!r} at {tracking_uri}"
+            )
+        wanted = set(run_ids)
+        runs = [r for r in runs if r.run_id in wanted]
+    if not runs:
+        raise UserError(f"no recipe runs under comparison run {parent_run_id} in experiment {experiment!r}")
+    return runs
+
+
+def _html_page(
+    title: str, where: Sequence[str], runs: Sequence[RunSummary], plots: dict[str, bytes], appendix_markdown: str
+) -> str:  # fmt: skip
+    """The self-contained page: every value escaped, the plots inlined as PNG data URIs."""
     images = "".join(
         f'<img alt="{html.escape(n)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
         for n, png in plots.items()
     )
-    page = (
+    return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1><ul>"
         + "".join(f"<li>{html.escape(line)}</li>" for line in where)
@@ -183,4 +200,3 @@ def build_comparison_report(
         + (f"<pre>{html.escape(appendix_markdown)}</pre>" if appendix_markdown else "")
         + "</body></html>\n"
     )
-    return ComparisonReport(table=table, markdown="\n".join(md).rstrip() + "\n", html=page, plots=plots, runs=runs)
