@@ -108,35 +108,47 @@ def te_recipe_for(spec: QuantSpec, te_recipe: str = "auto") -> TERecipe:
         raise TERecipeError(
             f"quant.fmt {spec.fmt!r}: trainer 'te' trains in E4M3 (TE refuses pure E5M2 training); use fmt 'e4m3'"
         )
-    fmt = {"fp8_format": "E4M3"}
     if spec.granularity == "row":
         raise TERecipeError(
             "quant.granularity 'row': trainer 'te' has no per-row FP8 recipe on Hopper (MXFP8 needs Blackwell); "
             "use granularity 'block' or 'tensor', or trainer 'torch'"
         )
     if te_recipe == "delayed":
-        if spec.granularity != "tensor":
-            raise TERecipeError(
-                f"te_recipe 'delayed' is per-tensor scaling: it needs quant.granularity 'tensor', got {spec.granularity!r}"
-            )
-        if spec.pow2_scales:
-            raise TERecipeError(
-                "te_recipe 'delayed' has no power-of-two scale option; use te_recipe 'auto' "
-                "(Float8CurrentScaling) or quant.pow2_scales false"
-            )
-        # reduce_amax False: no amax all-reduce across data-parallel ranks at autocast exit (the
-        # trainer's ranks synchronise only through their gradient reducer); each keeps its history
-        return TERecipe(
-            "DelayedScaling", {**fmt, "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": False}
-        )
+        return _delayed_scaling(spec)
     if spec.granularity == "tensor":
         pow2 = spec.pow2_scales
         return TERecipe(
             "Float8CurrentScaling",
-            {**fmt, "use_power_2_scales": pow2},
+            {**_E4M3, "use_power_2_scales": pow2},
             pow2_scales=pow2,
             env={CURRENT_POW2_SCALES_ENV: "1" if pow2 else "0"},
         )
+    return _block_scaling(spec)
+
+
+_E4M3 = {"fp8_format": "E4M3"}
+
+
+def _delayed_scaling(spec: QuantSpec) -> TERecipe:
+    """``DelayedScaling``: per-tensor scales from an amax history (plain scales only)."""
+    if spec.granularity != "tensor":
+        raise TERecipeError(
+            f"te_recipe 'delayed' is per-tensor scaling: it needs quant.granularity 'tensor', got {spec.granularity!r}"
+        )
+    if spec.pow2_scales:
+        raise TERecipeError(
+            "te_recipe 'delayed' has no power-of-two scale option; use te_recipe 'auto' "
+            "(Float8CurrentScaling) or quant.pow2_scales false"
+        )
+    # reduce_amax False: no amax all-reduce across data-parallel ranks at autocast exit (the
+    # trainer's ranks synchronise only through their gradient reducer); each keeps its history
+    return TERecipe(
+        "DelayedScaling", {**_E4M3, "amax_history_len": 1024, "amax_compute_algo": "max", "reduce_amax": False}
+    )
+
+
+def _block_scaling(spec: QuantSpec) -> TERecipe:
+    """``Float8BlockScaling``: 128x128 weight tiles and 1x128 activation and gradient groups, TE's only layout."""
     if tuple(spec.weight_block) != (TE_BLOCK, TE_BLOCK) or spec.act_block != TE_BLOCK:
         raise TERecipeError(
             "trainer 'te' block scaling is fixed at 128x128 weight tiles and 1x128 activation groups; "
@@ -146,7 +158,7 @@ def te_recipe_for(spec: QuantSpec, te_recipe: str = "auto") -> TERecipe:
     return TERecipe(
         "Float8BlockScaling",
         {
-            **fmt,
+            **_E4M3,
             "use_f32_scales": not pow2,
             "x_block_scaling_dim": 1,
             "w_block_scaling_dim": 2,
