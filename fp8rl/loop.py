@@ -202,6 +202,17 @@ def rl_step(cfg: RunConfig, parts: Parts, examples: list[Example], step: int) ->
         "sync/bytes": float(stats.bytes_sent),
         "sync/bytes_vs_bf16": stats.bytes_sent / parts.bf16_bytes,
         "sync/policy_version": float(engine.policy_version),
+        **_step_times((t0, t1, t_scored, t2, t3, t_pushed, t4), stats, bool(kv), tokens),
+    }
+
+
+def _step_times(
+    t: tuple[float, float, float, float, float, float, float], stats: SyncStats, kv: bool, tokens: float
+) -> dict[str, float]:
+    """The step's phase times and throughputs from its stamps: start, generated, scored, old logprobs, trained,
+    pushed, synced (the push and, with an FP8 KV cache, the recalibration)."""
+    t0, t1, t_scored, t2, t3, t_pushed, t4 = t
+    return {
         "time/generate_s": t1 - t0,
         "time/score_s": t_scored - t1,
         "time/logprob_s": t2 - t_scored,
