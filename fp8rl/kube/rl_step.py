@@ -37,7 +37,8 @@ import yaml
 from fp8rl.atomic import atomic_directory, atomic_write_text
 from fp8rl.config import RunConfig
 from fp8rl.errors import UserError
-from fp8rl.kube.rayjob import MAX_NAME_LENGTH, build_rayjob, build_rayjob_for_cluster, load_template
+from fp8rl.kube.rayjob import MAX_NAME_LENGTH, build_rayjob, build_rayjob_for_cluster
+from fp8rl.kube.rayjob_template import load_template
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 STAGE_DIR = "kfp-runs"

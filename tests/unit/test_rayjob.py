@@ -9,15 +9,8 @@ import pytest
 import yaml
 
 from fp8rl.config import ConfigError
-from fp8rl.kube.rayjob import (
-    RAYJOB_LABEL,
-    ROLE_LABEL,
-    RayJobTemplate,
-    build_rayjob,
-    build_rayjob_for_cluster,
-    load_template,
-    parse_template,
-)
+from fp8rl.kube.rayjob import RAYJOB_LABEL, ROLE_LABEL, build_rayjob, build_rayjob_for_cluster
+from fp8rl.kube.rayjob_template import RayJobTemplate, load_template, parse_template
 
 # What the chart renders into its ConfigMap key rayjob.yaml (camelCase, exactly these fields).
 CHART_YAML = """

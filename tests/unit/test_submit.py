@@ -651,7 +651,7 @@ def test_a_step_pod_owns_its_rayjob(monkeypatch: pytest.MonkeyPatch) -> None:
         "apiVersion": "v1", "kind": "Pod", "name": "recipe-comparison-abc-rl-step-123",
         "uid": "6f1e2d3c-0000-4000-8000-000000000001", "blockOwnerDeletion": False,
     }  # fmt: skip
-    from fp8rl.kube.rayjob import parse_template
+    from fp8rl.kube.rayjob_template import parse_template
 
     res = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
     template = parse_template({"image": "fp8rl-runtime:0.1.0", "head": {"resources": res},

@@ -69,7 +69,8 @@ def test_workers_request_the_gpus_per_worker(render) -> None:
 
 def test_rayjob_workers_may_be_cpu_only(render) -> None:
     """gpusPerWorker 0 (a cluster without GPUs, such as make cluster-up's node): CPU workers, no GPU anywhere."""
-    from fp8rl.kube.rayjob import build_rayjob, parse_template
+    from fp8rl.kube.rayjob import build_rayjob
+    from fp8rl.kube.rayjob_template import parse_template
 
     workers = rayjob_defaults(render(ray__worker__gpusPerWorker=0))["workers"]
     assert workers["gpusPerWorker"] == 0 and GPU not in workers["resources"].get("limits", {})
@@ -491,7 +492,8 @@ def test_rayjob_defaults_contract(render) -> None:
 def test_a_standing_raycluster_is_the_one_the_rl_steps_use(render) -> None:
     """ray.enabled: the RayCluster, and the RayJob defaults name it, so the RL step runs its RayJob on it
     (fp8rl.kube.rl_step: clusterSelector) instead of bringing a cluster of its own."""
-    from fp8rl.kube.rayjob import build_rayjob_for_cluster, parse_template
+    from fp8rl.kube.rayjob import build_rayjob_for_cluster
+    from fp8rl.kube.rayjob_template import parse_template
 
     rendered = render(ray__enabled=True)
     cluster = rendered.one("RayCluster")["metadata"]["name"]
@@ -737,7 +739,8 @@ def test_every_value_is_documented_once_in_the_readme() -> None:
 def test_rayjobs_get_the_mlflow_credentials_when_auth_is_on(render, values: str) -> None:
     """With MLflow's basic auth on, a RayJob's head and workers log as the chart's admin user (as the standing
     RayCluster's pods do): the password from the auth Secret, never in the ConfigMap."""
-    from fp8rl.kube.rayjob import build_rayjob, parse_template
+    from fp8rl.kube.rayjob import build_rayjob
+    from fp8rl.kube.rayjob_template import parse_template
 
     rendered = render(next(f for f in CI_VALUES if f.name == values))
     d = rayjob_defaults(rendered)

@@ -15,7 +15,8 @@ import pytest
 import yaml
 from kube_schemas import validate_manifest
 
-from fp8rl.kube.rayjob import build_rayjob, build_rayjob_for_cluster, parse_template
+from fp8rl.kube.rayjob import build_rayjob, build_rayjob_for_cluster
+from fp8rl.kube.rayjob_template import parse_template
 
 CHART_YAML = """
 image: ghcr.io/example/fp8rl-gpu:0.1.0
