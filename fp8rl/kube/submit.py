@@ -33,7 +33,6 @@ autoscaler may still be adding GPU nodes.
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import threading
 import time
@@ -46,7 +45,8 @@ from kubernetes.client.exceptions import ApiException
 
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
 from fp8rl.kube.job_failure import diagnose, image_pull_problems, unschedulable_problems
-from fp8rl.kube.rayjob import CLUSTER_SELECTOR_KEY, RAYJOB_LABEL, ROLE_LABEL, SUBMITTER_CONTAINER
+from fp8rl.kube.pod_log import PodLogFollower
+from fp8rl.kube.rayjob import CLUSTER_SELECTOR_KEY, RAYJOB_LABEL, ROLE_LABEL
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
 DEFAULT_TIMEOUT_S = 24 * 3600.0
@@ -54,7 +54,6 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_POLL_S = 5.0
 DEFAULT_IMAGE_PULL_GRACE_S = 300.0
 LOG_DRAIN_S = 10.0
-LOG_OVERLAP_S = 10  # re-read this much of the pod log each poll; duplicates are dropped by timestamp
 LOG_TAIL_LINES = 400  # driver lines kept for the failure message
 TERMINAL_DEPLOYMENT = frozenset({"Complete", "Failed", "ValidationFailed"})
 
@@ -102,61 +101,6 @@ class KubeApis:
         return cls(custom=client.CustomObjectsApi(), core=client.CoreV1Api())
 
 
-# ---------------------------------------------------------------- Kubernetes: the submitter pod's log
-
-
-_TS = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z\s?(.*)$")
-
-
-def _split_timestamp(line: str) -> tuple[str | None, str]:
-    """``2025-01-01T00:00:00.12Z text`` -> (sortable key, text); kubelet trims nanoseconds, so pad them."""
-    m = _TS.match(line)
-    if not m:
-        return None, line
-    return f"{m.group(1)}.{(m.group(2) or '').ljust(9, '0')}", m.group(3)
-
-
-class _PodLogFollower:
-    """Polls one pod's log with ``timestamps=True`` and a ``sinceSeconds`` window; emits each line once."""
-
-    def __init__(self, core: Any, namespace: str, pod: str, request_timeout_s: float, clock: Callable[[], float]):
-        self.core, self.namespace, self.pod = core, namespace, pod
-        self.request_timeout_s, self.clock = request_timeout_s, clock
-        self.last_key: str | None = None
-        self.at_last_key: set[str] = set()
-        self.read_at: float | None = None
-
-    def poll(self) -> list[str]:
-        kwargs: dict[str, Any] = {"container": SUBMITTER_CONTAINER, "timestamps": True}
-        if self.read_at is not None:
-            kwargs["since_seconds"] = int(self.clock() - self.read_at) + LOG_OVERLAP_S
-        now = self.clock()
-        try:
-            text = self.core.read_namespaced_pod_log(
-                self.pod, self.namespace, _request_timeout=self.request_timeout_s, **kwargs
-            )
-        except ApiException as e:
-            if e.status in (400, 404):  # container not started yet, or the pod is gone
-                return []
-            raise
-        self.read_at = now
-        return self._new_lines(text or "")
-
-    def _new_lines(self, text: str) -> list[str]:
-        fresh = []
-        for raw in text.splitlines():
-            key, line = _split_timestamp(raw)
-            if key is None or self.last_key is None or key > self.last_key:
-                if key is not None and key != self.last_key:
-                    self.last_key, self.at_last_key = key, set()
-                self.at_last_key.add(line)
-                fresh.append(line)
-            elif key == self.last_key and line not in self.at_last_key:
-                self.at_last_key.add(line)
-                fresh.append(line)
-        return fresh
-
-
 # ---------------------------------------------------------------- Kubernetes: submit and wait
 
 
@@ -170,7 +114,7 @@ class _Watch:
     request_timeout_s: float
     log_sink: LogSink
     clock: Callable[[], float]
-    follower: _PodLogFollower | None = None
+    follower: PodLogFollower | None = None
     last_state: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
@@ -227,7 +171,7 @@ class _Watch:
         if self.follower is None or self.follower.pod != newest.metadata.name:
             if self.follower is not None:
                 self.log_sink(f"[rayjob {self.name}] submitter pod restarted: {newest.metadata.name}")
-            self.follower = _PodLogFollower(
+            self.follower = PodLogFollower(
                 self.api.core, self.namespace, newest.metadata.name, self.request_timeout_s, self.clock
             )
         try:

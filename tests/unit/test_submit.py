@@ -37,7 +37,8 @@ from kubernetes.client.exceptions import ApiException
 from fp8rl.errors import UserError
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
 from fp8rl.kube.job_failure import diagnose, extract_traceback
-from fp8rl.kube.submit import KubeApis, _PodLogFollower, _split_timestamp, submit_rayjob
+from fp8rl.kube.pod_log import PodLogFollower, split_timestamp
+from fp8rl.kube.submit import KubeApis, submit_rayjob
 
 NAME, NS, IMAGE = "fp8rl-step", "ml", "ghcr.io/example/fp8rl-gpu:0.1.0"
 CLUSTER = "fp8rl-step-abcde"
@@ -558,12 +559,12 @@ def test_extract_traceback_takes_the_last_one() -> None:
 def test_log_follower_drops_overlap_and_pads_nanoseconds() -> None:
     # kubelet trims trailing zeros: .5 is later than .123456789, which a plain string compare gets wrong.
     later, earlier = (
-        _split_timestamp("2025-01-01T00:00:01.5Z a")[0],
-        _split_timestamp("2025-01-01T00:00:01.123456789Z b")[0],
+        split_timestamp("2025-01-01T00:00:01.5Z a")[0],
+        split_timestamp("2025-01-01T00:00:01.123456789Z b")[0],
     )
     assert later is not None and earlier is not None and later > earlier
-    assert _split_timestamp("2025-01-01T00:00:01Z a") == ("2025-01-01T00:00:01.000000000", "a")
-    f = _PodLogFollower(core=None, namespace=NS, pod="p", request_timeout_s=1, clock=lambda: 0.0)
+    assert split_timestamp("2025-01-01T00:00:01Z a") == ("2025-01-01T00:00:01.000000000", "a")
+    f = PodLogFollower(core=None, namespace=NS, pod="p", request_timeout_s=1, clock=lambda: 0.0)
     assert f._new_lines("2025-01-01T00:00:01.1Z a\n2025-01-01T00:00:01.1Z b\n") == ["a", "b"]
     assert f._new_lines("2025-01-01T00:00:01.1Z a\n2025-01-01T00:00:01.1Z b\n2025-01-01T00:00:02Z c\n") == ["c"]
 
