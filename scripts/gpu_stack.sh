@@ -75,8 +75,14 @@ case $step in
     for w in /tmp/b/deps/*.whl; do
       mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
       case $mod in pyyaml) mod=yaml;; protobuf) mod=google.protobuf;; rpds_py) mod=rpds;; esac
-      case $mod in ray) ;; click|filelock|jsonschema|jsonschema_specifications|referencing|attrs|msgpack|google.protobuf|yaml|rpds)
-        python3 -c "import $mod" 2>/dev/null && continue;; esac
+      case $mod in
+        ray) ;;
+        # the KFP SDK's generated code needs protobuf 6: an older one of the image's is shadowed
+        google.protobuf) python3 -c "import google.protobuf as p, sys; sys.exit(int(p.__version__.split('.')[0]) < 6)" \
+          2>/dev/null && continue;;
+        click|filelock|jsonschema|jsonschema_specifications|referencing|attrs|msgpack|yaml|rpds)
+          python3 -c "import $mod" 2>/dev/null && continue;;
+      esac
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" || exit 6
     done
     # the project's own dependencies: last on the path, so that whatever the image or vLLM brings wins
