@@ -19,6 +19,7 @@ both the KFP UI and a browser render it without other files.
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import math
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 from fp8rl.atomic import atomic_write_bytes, atomic_write_text
 from fp8rl.errors import UserError
 from fp8rl.tracking import RunSummary, fetch_recipe_runs, plot_metric_history
+from fp8rl.tracking.compare import Column, runs_html_table, runs_table
 
 # (header, metric, format) of each numeric column
 COLUMNS: list[tuple[str, str, str]] = [
@@ -86,24 +88,21 @@ def _cell(run: RunSummary, metric: str, fmt: str) -> str:
     return fmt.format(value)
 
 
-def _rows(runs: Sequence[RunSummary]) -> tuple[list[str], list[list[str]]]:
-    header = ["recipe", *(h for h, _, _ in COLUMNS), "status", "MLflow run"]
-    rows = [[r.recipe, *(_cell(r, m, f) for _, m, f in COLUMNS), r.status, r.run_id] for r in runs]
-    return header, rows
+def _columns() -> list[Column]:
+    return [
+        Column("recipe", lambda r: r.recipe),
+        *(Column(h, functools.partial(_cell, metric=m, fmt=f)) for h, m, f in COLUMNS),
+        Column("status", lambda r: r.status),
+        Column("MLflow run", lambda r: r.run_id),
+    ]
 
 
 def markdown_table(runs: Sequence[RunSummary]) -> str:
-    header, rows = _rows(runs)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(c.replace("|", r"\|") for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return runs_table(runs, _columns())
 
 
 def _html_table(runs: Sequence[RunSummary]) -> str:
-    header, rows = _rows(runs)
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return runs_html_table(runs, _columns())
 
 
 def _plots(runs: Sequence[RunSummary]) -> dict[str, bytes]:

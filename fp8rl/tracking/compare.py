@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fp8rl.errors import UserError
@@ -80,21 +82,45 @@ def fetch_recipe_runs(
     return sorted(summaries, key=lambda s: (s.recipe, s.start_time_ms))
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of a runs table: its header and how a run's cell is written."""
+
+    header: str
+    cell: Callable[[RunSummary], str]
+
+
+def runs_table(runs: Sequence[RunSummary], columns: Sequence[Column]) -> str:
+    """The one Markdown table writer of run comparisons: a row per run, ``|`` in a cell escaped."""
+    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_escape(c.cell(run)) for c in columns) + " |" for run in runs]
+    return "\n".join(lines) + "\n"
+
+
+def runs_html_table(runs: Sequence[RunSummary], columns: Sequence[Column]) -> str:
+    """The same table as HTML, every value escaped."""
+    head = "".join(f"<th>{html.escape(c.header)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c.cell(run))}</td>" for c in columns) + "</tr>" for run in runs)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def comparison_table(runs: Sequence[RunSummary], metrics: Sequence[str]) -> str:
     """A Markdown table, one row per run: the final value of each metric, and the run-mean
     of ``token_mult_prob_error`` (mean over steps of the per-step value) when any run has it.
     """
-    with_mean = any(TOKEN_MULT_PROB_ERROR in r.histories for r in runs)
-    header = ["recipe", "run", "status", *(f"{m} (final)" for m in metrics)]
-    if with_mean:
-        header.append("token_mult_prob_error (mean)")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for run in runs:
-        cells = [_escape(run.recipe), _escape(run.run_name), run.status, *(_number(run.final(m)) for m in metrics)]
-        if with_mean:
-            cells.append(_number(run.mean(TOKEN_MULT_PROB_ERROR)))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    columns = [
+        Column("recipe", lambda r: r.recipe),
+        Column("run", lambda r: r.run_name),
+        Column("status", lambda r: r.status),
+        *(Column(f"{m} (final)", functools.partial(_final, metric=m)) for m in metrics),
+    ]
+    if any(TOKEN_MULT_PROB_ERROR in r.histories for r in runs):
+        columns.append(Column("token_mult_prob_error (mean)", lambda r: _number(r.mean(TOKEN_MULT_PROB_ERROR))))
+    return runs_table(runs, columns)
+
+
+def _final(run: RunSummary, metric: str) -> str:
+    return _number(run.final(metric))
 
 
 def _number(value: float | None) -> str:
