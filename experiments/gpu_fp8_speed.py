@@ -126,6 +126,7 @@ def torchrun_ranks() -> tuple[int, int, str]:
 
 def section_rl(a: argparse.Namespace) -> dict[str, Any]:
     """The RL train phase (logprob recompute + policy step) at 1B shape: BF16 vs FP8, eager vs CUDA graphs."""
+    from fp8rl.config import OptimConfig
     from fp8rl.train.trainer import TrainerOptions
 
     rows, prompt, response = a.rl_rows, 128, a.rl_response
@@ -137,8 +138,7 @@ def section_rl(a: argparse.Namespace) -> dict[str, Any]:
         for graphs in (False, True):
             name = f"{precision}-{'graphs' if graphs else 'eager'}"
             torch.cuda.reset_peak_memory_stats()
-            o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=4096, cuda_graphs=graphs,
-                               cuda_graph_width=a.graph_width, compile_elementwise=a.compile_elementwise)  # fmt: skip
+            o = TrainerOptions(precision=precision, optim=OptimConfig(lr=1e-6, micro_batch_tokens=4096, cuda_graphs=graphs, cuda_graph_width=a.graph_width, compile_elementwise=a.compile_elementwise, warmup_steps=0))  # fmt: skip
             trainer = TorchTrainer(llama_1b(), o, device="cuda")
             times, logprobs[name], m = timed_phases(trainer, batch, adv, mask, a)
             lp, tr = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
@@ -290,17 +290,14 @@ def rlprofile_variant(
     profiled step's wall time, kernel ms by category and the compute stream's idle time), then a profiled logprob."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fp8rl.config import GRPOConfig
+    from fp8rl.config import GRPOConfig, OptimConfig
     from fp8rl.train.trainer import TrainerOptions
 
     precision, *options = variant.split("-")  # bf16 | fp8, then the variant's options in any order
     if precision not in ("bf16", "fp8") or set(options) - {"row", "regather"}:
         raise ValueError(f"--rl-variants: {variant!r} is not bf16 or fp8 with -row / -regather")
     torch.cuda.reset_peak_memory_stats()
-    o = TrainerOptions(precision=precision, lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True,
-                       sharding="fsdp" if world > 1 else "replicate", compile_elementwise=a.compile_elementwise,
-                       fp8_gather_once="regather" not in options,
-                       spec=QuantSpec(granularity="row" if "row" in options else "block"))  # fmt: skip
+    o = TrainerOptions(precision=precision, sharding="fsdp" if world > 1 else "replicate", spec=QuantSpec(granularity="row" if "row" in options else "block"), optim=OptimConfig(lr=1e-6, micro_batch_tokens=a.rl_mbt, activation_checkpointing=True, compile_elementwise=a.compile_elementwise, fp8_gather_once="regather" not in options, warmup_steps=0))  # fmt: skip
     trainer = TorchTrainer(llama8b_stack(a.rl_layers), o, device=device)
     times, old, _ = timed_phases(trainer, batch, adv, mask, a, totals)
     trainer.compute_logprobs(batch, 1.0)  # as in the RL step: the logprob phase comes first (and gathers)

@@ -65,7 +65,9 @@ class LocalParts:
 
 
 def trainer_options(cfg: RunConfig) -> TrainerOptions:
-    q, o = cfg.recipe.quant, cfg.optim
+    """The trainer's settings: the recipe's training precision and scaling, the run's length and sharding, and the
+    run config's ``optim`` section as it is."""
+    q = cfg.recipe.quant
     return TrainerOptions(
         precision=cfg.recipe.train_precision,
         spec=quant_spec(cfg),
@@ -73,24 +75,9 @@ def trainer_options(cfg: RunConfig) -> TrainerOptions:
         te_recipe=cfg.recipe.te_recipe,
         bf16_first_layers=q.bf16_first_layers,
         bf16_last_layers=q.bf16_last_layers,
-        lr=o.lr,
-        betas=o.betas,
-        weight_decay=o.weight_decay,
-        grad_clip=o.grad_clip,
-        warmup_steps=o.warmup_steps,
-        schedule=o.schedule,
         total_steps=cfg.steps,
-        micro_batch_size=o.micro_batch_size,
-        micro_batch_tokens=o.micro_batch_tokens,
         sharding=cfg.ray.trainer_sharding if cfg.ray is not None else "replicate",
-        activation_checkpointing=o.activation_checkpointing,
-        offload_optimizer_state=o.offload_optimizer_state,
-        compile_elementwise=o.compile_elementwise,
-        fp8_gather_once=o.fp8_gather_once,
-        reduce_grads_once=o.reduce_grads_once,
-        cuda_graphs=o.cuda_graphs,
-        cuda_graph_width=o.cuda_graph_width,
-        cuda_graph_shapes=o.cuda_graph_shapes,
+        optim=cfg.optim,
     )
 
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_sections import Deadline, run_section, say, short_error
 from gpu_te_speed import GRANS, make_trainer, opts, section_gemm, section_throughput, spec_for
 
+from fp8rl.config import OptimConfig
 from fp8rl.quant import QuantSpec, quantize_activation, quantize_weight
 from fp8rl.rl import mismatch_metrics
 from fp8rl.train.te_recipes import te_recipe_for
@@ -186,7 +187,9 @@ def section_consistency(d: Deadline, root: Path) -> dict[str, Any]:
 
 def tiny_model_tensors(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]]:
     """Every FP8 linear's weight of the 'small' tiny model, and the inputs those linears see on a batch."""
-    t = TorchTrainer(model_dir, TrainerOptions(precision="bf16"), device="cuda")
+    t = TorchTrainer(
+        model_dir, TrainerOptions(precision="bf16", optim=OptimConfig(lr=2e-5, warmup_steps=0)), device="cuda"
+    )
     from fp8rl.models.layers import fp8_module_names
 
     names = fp8_module_names(t.model)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from gpu_sections import Deadline, say, short_error
 
+from fp8rl.config import OptimConfig
 from fp8rl.quant import QuantSpec
 from fp8rl.train.te_recipes import te_recipe_for
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions
@@ -37,7 +38,13 @@ def spec_for(kind: str, pow2: bool = False) -> tuple[QuantSpec, str]:
 
 def opts(precision: str, kind: str = "block", backend: str = "te", mbs: int = 64) -> TrainerOptions:
     spec, te_recipe = spec_for(kind)
-    return TrainerOptions(precision=precision, spec=spec, backend=backend, te_recipe=te_recipe, micro_batch_size=mbs)
+    return TrainerOptions(
+        precision=precision,
+        spec=spec,
+        backend=backend,
+        te_recipe=te_recipe,
+        optim=OptimConfig(micro_batch_size=mbs, lr=2e-5, warmup_steps=0),
+    )
 
 
 def make_trainer(model: Any, o: TrainerOptions) -> TorchTrainer:

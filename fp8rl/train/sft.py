@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fp8rl.config import OptimConfig
 from fp8rl.evaluation import evaluate
 from fp8rl.models.tiny import make_tiny_model
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
@@ -59,11 +60,10 @@ def sft_warmup(
     trainer = TorchTrainer(
         model,
         TrainerOptions(
-            lr=opts.lr,
             total_steps=opts.steps,
-            warmup_steps=opts.steps // 20,
-            schedule="cosine",
-            micro_batch_size=opts.batch_size,
+            optim=OptimConfig(
+                lr=opts.lr, warmup_steps=opts.steps // 20, schedule="cosine", micro_batch_size=opts.batch_size
+            ),
         ),
         device=device,
     )

@@ -118,7 +118,7 @@ class TETrainer(TorchTrainer):
             apply_te_env(self.te_recipe_desc)
         self.te = require_te(str(device), self.te_recipe_desc)
         self.te_recipe = None if self.te_recipe_desc is None else build_te_recipe(self.te_recipe_desc)
-        if opts.activation_checkpointing and opts.te_recipe == "delayed":
+        if opts.optim.activation_checkpointing and opts.te_recipe == "delayed":
             raise TERecipeError(
                 "te_recipe 'delayed' (DelayedScaling) cannot be combined with activation checkpointing: its recompute "
                 "would update the amax history a second time; use te_recipe 'auto' or turn checkpointing off"

@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fp8rl.atomic import atomic_directory
-from fp8rl.config import Correction, GRPOConfig
+from fp8rl.config import Correction, GRPOConfig, OptimConfig
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.models.tiny import pin_tokenizer_class
@@ -56,35 +56,19 @@ SHARDINGS = ("replicate", "fsdp")
 
 @dataclass(frozen=True)
 class TrainerOptions:
+    """What a trainer is built with: the recipe's training precision and scaling, the schedule's length, the
+    sharding, and ``optim`` -- the run config's ``OptimConfig`` itself, the one source of the optimizer, micro-batch
+    and memory settings (``fp8rl.build.trainer_options``)."""
+
     precision: str = "bf16"  # bf16 | fp8
     spec: QuantSpec = field(default_factory=QuantSpec)
     backend: str = "torch"  # torch | te (fp8rl.train.te_trainer)
     te_recipe: str = "auto"  # te: auto | delayed (fp8rl.config.Recipe.te_recipe)
     bf16_first_layers: int = 0
     bf16_last_layers: int = 0
-    lr: float = 2e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    schedule: str = "constant"
     total_steps: int = 100
-    micro_batch_size: int = 64
-    # set: micro-batches are cut by padded tokens (rows x their width) instead of micro_batch_size rows
-    micro_batch_tokens: int | None = None
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
-    activation_checkpointing: bool = False  # recompute each decoder layer in the backward (HF's, non-reentrant)
-    offload_optimizer_state: bool = False  # AdamW's moments in host memory between steps (fp8rl.train.optim)
-    compile_elementwise: bool = False  # RMSNorm, SiLU gate, rotary embedding: torch.compile kernels (train.compiled)
-    # fsdp + fp8 (torch): gather each decoder layer's weights once per weight version, not at every forward and
-    # backward: the FP8 linears' cached copies serve every micro-batch (see ``fp8rl.train.fsdp``)
-    fp8_gather_once: bool = True
-    # fsdp: the micro-batches' gradients accumulate unsharded (fp32) and reduce-scatter once, in the last one's backward
-    reduce_grads_once: bool = False
-    # decoder layers replayed as CUDA graphs, micro-batches padded to shape buckets (fp8rl.train.graphs)
-    cuda_graphs: bool = False
-    cuda_graph_width: int = 128  # the buckets' width step, in columns
-    cuda_graph_shapes: int = 2  # captured shapes kept (each holds one micro-batch's activations and gradients)
+    optim: OptimConfig = field(default_factory=OptimConfig)
 
 
 class TorchTrainer:
@@ -94,7 +78,7 @@ class TorchTrainer:
         if opts.sharding not in SHARDINGS:
             raise ValueError(f"trainer sharding must be one of {SHARDINGS}, got {opts.sharding!r}")
         self.sharded = opts.sharding == "fsdp"
-        if opts.reduce_grads_once and not self.sharded:
+        if opts.optim.reduce_grads_once and not self.sharded:
             raise ValueError("reduce_grads_once applies to sharding 'fsdp' (replicated, the gradients reduce once)")
         # sharded: loaded on the CPU; fully_shard moves each rank's shard (only) to the device
         load_on = "cpu" if self.sharded else device
@@ -107,9 +91,9 @@ class TorchTrainer:
         self.opts = opts
         self._masks = prepares_masks(self.model.config)  # fp8rl.train.model_inputs
         self.fp8_modules: list[str] = self._convert_linears()
-        self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.compile_elementwise else []
-        self.graphs = self._layer_graphs() if opts.cuda_graphs else None
-        if opts.activation_checkpointing:
+        self.compiled_modules: list[str] = compile_elementwise(self.model) if opts.optim.compile_elementwise else []
+        self.graphs = self._layer_graphs() if opts.optim.cuda_graphs else None
+        if opts.optim.activation_checkpointing:
             # checkpoint_contexts: the FP8 linears skip, in a layer's first forward, the copies only its backward reads
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
@@ -117,25 +101,25 @@ class TorchTrainer:
         self.optimizer: MasterWeightAdamW | ShardedAdamW
         self.fsdp: FSDPUnits | None = None
         if self.sharded:
-            self.fsdp = FSDPUnits(self.model, self.device, opts.fp8_gather_once)
+            self.fsdp = FSDPUnits(self.model, self.device, opts.optim.fp8_gather_once)
             self.optimizer = ShardedAdamW(
-                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay,
-                offload_state=opts.offload_optimizer_state,
+                list(self.model.parameters()), lr=opts.optim.lr, betas=opts.optim.betas, weight_decay=opts.optim.weight_decay,
+                offload_state=opts.optim.offload_optimizer_state,
             )  # fmt: skip
         else:
             self.optimizer = MasterWeightAdamW(
-                list(self.model.parameters()), lr=opts.lr, betas=opts.betas, weight_decay=opts.weight_decay,
-                offload_state=opts.offload_optimizer_state,
+                list(self.model.parameters()), lr=opts.optim.lr, betas=opts.optim.betas, weight_decay=opts.optim.weight_decay,
+                offload_state=opts.optim.offload_optimizer_state,
             )  # fmt: skip
         self.step_memory = StepMemory(self.device, self.optimizer.offload)  # a policy step's memory costs
         self.step_profile = StepProfile(self.device)  # on request, a policy step's kernel time by category
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer.optimizer, lr_lambda(opts.warmup_steps, opts.total_steps, opts.schedule)
+            self.optimizer.optimizer, lr_lambda(opts.optim.warmup_steps, opts.total_steps, opts.optim.schedule)
         )
         self.pad_token_id = int(self.model.config.pad_token_id or 0)
         # with CUDA graphs, micro-batches are padded to shape buckets: widths in steps of cuda_graph_width columns
         self.micro = MicroBatcher(
-            opts.micro_batch_size, opts.micro_batch_tokens, opts.cuda_graph_width if opts.cuda_graphs else None,
+            opts.optim.micro_batch_size, opts.optim.micro_batch_tokens, opts.optim.cuda_graph_width if opts.optim.cuda_graphs else None,
             self.pad_token_id, self.sharded, self.device,
         )  # fmt: skip
         self.step_count = 0
@@ -143,9 +127,9 @@ class TorchTrainer:
 
     def _layer_graphs(self) -> LayerGraphs:
         """``optim.cuda_graphs``: the decoder layers' graphs, after checking what the option needs."""
-        o = self.opts
-        if o.backend != "torch":
-            raise ValueError(f"optim.cuda_graphs needs trainer 'torch', got {o.backend!r}")
+        o = self.opts.optim
+        if self.opts.backend != "torch":
+            raise ValueError(f"optim.cuda_graphs needs trainer 'torch', got {self.opts.backend!r}")
         if self.sharded:
             raise ValueError("optim.cuda_graphs cannot be combined with ray.trainer_sharding 'fsdp'")
         if o.activation_checkpointing:
@@ -172,7 +156,7 @@ class TorchTrainer:
         buffers after it."""
         if self.graphs is None:
             self._weights_changed()
-        grad_norm = self.optimizer.step(self.opts.grad_clip, grad_scale)
+        grad_norm = self.optimizer.step(self.opts.optim.grad_clip, grad_scale)
         if self.graphs is not None:
             self._weights_changed()
         return grad_norm
@@ -203,7 +187,7 @@ class TorchTrainer:
         slices = self.micro.slices(batch)
         for i, sl in enumerate(slices):
             if self.fsdp is not None:
-                self.fsdp.before_backward(i, len(slices), self.opts.reduce_grads_once)
+                self.fsdp.before_backward(i, len(slices), self.opts.optim.reduce_grads_once)
             yield sl
 
     def _padding_pass(self, like: SequenceBatch, temperature: float) -> torch.Tensor:

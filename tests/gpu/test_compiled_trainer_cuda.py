@@ -31,7 +31,7 @@ def test_compiled_trainer_matches_the_eager_one_on_cuda(
 ) -> None:
     from sharded_trainer_worker import fixed_batch
 
-    from fp8rl.config import GRPOConfig
+    from fp8rl.config import GRPOConfig, OptimConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -39,8 +39,7 @@ def test_compiled_trainer_matches_the_eager_one_on_cuda(
     batch, adv, old, mask = fixed_batch()
     runs = []
     for compiled in (False, True):
-        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, compile_elementwise=compiled,
-                              activation_checkpointing=checkpointing)  # fmt: skip
+        opts = TrainerOptions(precision=precision, optim=OptimConfig(lr=1e-3, micro_batch_size=4, compile_elementwise=compiled, activation_checkpointing=checkpointing, warmup_steps=0))  # fmt: skip
         trainer = TorchTrainer(tiny_models["small"], opts, device="cuda")
         assert bool(trainer.compiled_modules) == compiled
         runs.append([trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(3)])

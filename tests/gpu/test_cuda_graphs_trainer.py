@@ -28,14 +28,16 @@ TOL = {"rtol": 2e-3, "atol": 2e-3}
 
 
 def _trainers(model: Path, precision: str, **kw):
+    from fp8rl.config import OptimConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89+")
-    base = {"precision": precision, "lr": 1e-2, "micro_batch_size": 4, **kw}
-    eager = TorchTrainer(model, TrainerOptions(**base), device="cuda")
+    base = {"lr": 1e-2, "warmup_steps": 0, "micro_batch_size": 4, **kw}
+    eager = TorchTrainer(model, TrainerOptions(precision=precision, optim=OptimConfig(**base)), device="cuda")
     eager.micro = replace(eager.micro, width_step=16)  # the graphed trainer's padding, without its graphs
-    graphed = TorchTrainer(model, TrainerOptions(**base, cuda_graphs=True, cuda_graph_width=16), device="cuda")
+    graphed_optim = OptimConfig(**base, cuda_graphs=True, cuda_graph_width=16)
+    graphed = TorchTrainer(model, TrainerOptions(precision=precision, optim=graphed_optim), device="cuda")
     return eager, graphed
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU 
 
 
 def test_offloaded_moments_on_cuda_give_the_same_steps_and_free_the_device(tiny_models: dict[str, Path]) -> None:
-    from fp8rl.config import GRPOConfig
+    from fp8rl.config import GRPOConfig, OptimConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
@@ -23,8 +23,7 @@ def test_offloaded_moments_on_cuda_give_the_same_steps_and_free_the_device(tiny_
     batch, adv, old, mask = fixed_batch()
 
     def run(offload: bool) -> tuple[TorchTrainer, list[dict[str, float]], int]:
-        t = TorchTrainer(tiny_models["small"], TrainerOptions(lr=1e-3, micro_batch_size=4,
-                                                              offload_optimizer_state=offload), device="cuda")  # fmt: skip
+        t = TorchTrainer(tiny_models["small"], TrainerOptions(optim=OptimConfig(lr=1e-3, micro_batch_size=4, offload_optimizer_state=offload, warmup_steps=0)), device="cuda")  # fmt: skip
         history = [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

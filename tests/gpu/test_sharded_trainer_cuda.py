@@ -54,7 +54,7 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     ``row``: the row recipe's fused linear (``fp8rl.quant.row_linear``) under the same settings."""
     from sharded_trainer_worker import fixed_batch
 
-    from fp8rl.config import GRPOConfig
+    from fp8rl.config import GRPOConfig, OptimConfig
     from fp8rl.quant import QuantSpec
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
@@ -79,9 +79,7 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     batch, adv, old, mask = fixed_batch()
 
     def replicated(checkpointing: bool = bench, compiled: bool = bench) -> tuple[TorchTrainer, list[dict[str, float]]]:
-        opts = TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4, backend=backend,
-                              activation_checkpointing=checkpointing, compile_elementwise=compiled,
-                              spec=QuantSpec(granularity=granularity))  # fmt: skip
+        opts = TrainerOptions(precision=precision, backend=backend, spec=QuantSpec(granularity=granularity), optim=OptimConfig(lr=1e-3, micro_batch_size=4, activation_checkpointing=checkpointing, compile_elementwise=compiled, warmup_steps=0))  # fmt: skip
         t = trainer_class(model, opts, device="cuda")
         return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantSpec, quantize_activation, quantize_weight
 from fp8rl.rl import mismatch_metrics
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
@@ -40,7 +40,11 @@ RECIPES = {"block": ("block", "auto"), "current": ("tensor", "auto"), "delayed":
 def _opts(precision: str, recipe: str = "block", backend: str = "te") -> TrainerOptions:
     gran, te_recipe = RECIPES[recipe]
     return TrainerOptions(
-        precision=precision, spec=QuantSpec(granularity=gran), backend=backend, te_recipe=te_recipe, lr=1e-3
+        precision=precision,
+        spec=QuantSpec(granularity=gran),
+        backend=backend,
+        te_recipe=te_recipe,
+        optim=OptimConfig(lr=1e-3, warmup_steps=0),
     )  # type: ignore[arg-type]
 
 

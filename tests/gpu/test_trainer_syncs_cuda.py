@@ -33,7 +33,7 @@ def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Pa
     from cuda_syncs import record_syncs
     from sharded_trainer_worker import fixed_batch
 
-    from fp8rl.config import GRPOConfig
+    from fp8rl.config import GRPOConfig, OptimConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
@@ -42,7 +42,9 @@ def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Pa
     counts = {}
     for micro in (10, 2, 1):  # one micro-batch of the 10 rows (padded), five, ten (one row each: nothing padded)
         trainer = TorchTrainer(
-            tiny_models["small"], TrainerOptions(precision=precision, micro_batch_size=micro), "cuda"
+            tiny_models["small"],
+            TrainerOptions(precision=precision, optim=OptimConfig(micro_batch_size=micro, lr=2e-5, warmup_steps=0)),
+            "cuda",
         )
         trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)  # warm-up: lazy inits may sync
         trainer.compute_logprobs(batch, 1.0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantSpec
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch, policy_batch_totals
 
@@ -86,11 +86,11 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--offload-optimizer-state", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, one GPU per rank)")
-    ap.add_argument("--no-fp8-gather-once", action="store_true", help="TrainerOptions.fp8_gather_once=False")
+    ap.add_argument("--no-fp8-gather-once", action="store_true", help="OptimConfig.fp8_gather_once=False")
     ap.add_argument("--compile-elementwise", action="store_true")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--count-syncs", action="store_true", help="record each rank's synchronisations (CUDA)")
-    ap.add_argument("--reduce-grads-once", action="store_true", help="TrainerOptions.reduce_grads_once=True")
+    ap.add_argument("--reduce-grads-once", action="store_true", help="OptimConfig.reduce_grads_once=True")
     ap.add_argument("--granularity", default="block", help="the FP8 recipe's quant.granularity (block | row | tensor)")
     ap.add_argument("--loss-on-every-rank", action="store_true", help="fixed_batch(loss_on_every_rank=True)")
     args = ap.parse_args()
@@ -100,13 +100,7 @@ def main() -> None:
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    opts = TrainerOptions(
-        precision=args.precision, lr=1e-3, micro_batch_size=args.micro_batch_size, sharding="fsdp",
-        backend=args.backend, activation_checkpointing=args.activation_checkpointing,
-        offload_optimizer_state=args.offload_optimizer_state, fp8_gather_once=not args.no_fp8_gather_once,
-        compile_elementwise=args.compile_elementwise, reduce_grads_once=args.reduce_grads_once,
-        spec=QuantSpec(granularity=args.granularity),
-    )  # fmt: skip
+    opts = TrainerOptions(precision=args.precision, sharding="fsdp", backend=args.backend, spec=QuantSpec(granularity=args.granularity), optim=OptimConfig(lr=1e-3, micro_batch_size=args.micro_batch_size, activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state, fp8_gather_once=not args.no_fp8_gather_once, compile_elementwise=args.compile_elementwise, reduce_grads_once=args.reduce_grads_once, warmup_steps=0))  # fmt: skip
     trainer: TorchTrainer
     if args.backend == "te":
         from fp8rl.train.te_trainer import TETrainer

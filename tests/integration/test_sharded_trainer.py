@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 HERE = Path(__file__).parent
@@ -40,7 +40,9 @@ def _sharded(model: Path, out: Path, *extra: str) -> dict:
 def _replicated(
     model: Path, precision: str, steps: int, state: dict | None = None, loss_on_every_rank: bool = False
 ) -> tuple[TorchTrainer, list]:
-    trainer = TorchTrainer(model, TrainerOptions(precision=precision, lr=1e-3, micro_batch_size=4))
+    trainer = TorchTrainer(
+        model, TrainerOptions(precision=precision, optim=OptimConfig(lr=1e-3, micro_batch_size=4, warmup_steps=0))
+    )
     if state is not None:
         trainer.load_state_dict(state)
     batch, adv, old, mask = fixed_batch(loss_on_every_rank)
@@ -71,7 +73,7 @@ def test_two_sharded_ranks_reproduce_the_replicated_trainer(
 ) -> None:
     model = tiny_models["tiny"]
     got = _sharded(model, tmp_path, "--precision", precision)
-    fresh = TorchTrainer(model, TrainerOptions(precision=precision))
+    fresh = TorchTrainer(model, TrainerOptions(precision=precision, optim=OptimConfig(lr=2e-5, warmup_steps=0)))
     batch, *_ = fixed_batch()
     _assert_same_kv_scales(got["kv_before"], fresh.kv_scales(batch, 0.999, 1.1)[0])
     trainer, history = _replicated(model, precision, 2)
@@ -112,7 +114,7 @@ def test_resume_crosses_between_sharded_and_replicated(tiny_models: dict[str, Pa
     _assert_same_weights(got["weights"], {k: v.cpu() for k, v in straight.hf_state_dict().items()})
     assert got["state"]["step_count"] == 2
     # and back: the sharded state (full tensors) into a replicated trainer gives exactly those weights
-    back = TorchTrainer(model, TrainerOptions(lr=1e-3, micro_batch_size=4))
+    back = TorchTrainer(model, TrainerOptions(optim=OptimConfig(lr=1e-3, micro_batch_size=4, warmup_steps=0)))
     back.load_state_dict(got["state"])
     for name, w in back.hf_state_dict().items():
         assert torch.equal(w.cpu(), got["weights"][name]), name
@@ -167,7 +169,9 @@ def test_fp8_gather_once_changes_the_gathers_not_the_numbers(
     # rank 0 runs two micro-batches a step: gathering every time costs two forwards' and two backwards' gathers of
     # every layer (the recompute uses the backward's); once, one gather of each layer; the root unit is gathered
     # once a step either way (it stays gathered across the micro-batches)
-    layers = TorchTrainer(model, TrainerOptions()).model.config.num_hidden_layers
+    layers = TorchTrainer(
+        model, TrainerOptions(optim=OptimConfig(lr=2e-5, warmup_steps=0))
+    ).model.config.num_hidden_layers
     assert all(h["all_gathers"] == 4 * layers + 1 for h in every["history"]), every["history"]
     assert all(h["all_gathers"] == layers + 1 for h in once["history"]), once["history"]
 
@@ -185,7 +189,10 @@ def test_reduce_grads_once_changes_the_reduce_scatters_not_the_step(
     flags = ("--precision", precision, "--loss-on-every-rank")
     once = _sharded(model, tmp_path / "once", *flags, "--reduce-grads-once")
     every = _sharded(model, tmp_path / "every", *flags)
-    units = TorchTrainer(model, TrainerOptions()).model.config.num_hidden_layers + 1  # the layers and the root
+    units = (
+        TorchTrainer(model, TrainerOptions(optim=OptimConfig(lr=2e-5, warmup_steps=0))).model.config.num_hidden_layers
+        + 1
+    )  # the layers and the root
     for a, b in zip(every["history"], once["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-9)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)

@@ -138,7 +138,7 @@ def test_trainer_sharding_is_a_ray_setting_for_either_trainer() -> None:
     once = {"reduce_grads_once": True}
     assert trainer_options(
         parse_run_config({"recipe": E2E, "optim": once, "ray": {"trainer_sharding": "fsdp"}})
-    ).reduce_grads_once
+    ).optim.reduce_grads_once
     for ray in ({}, {"ray": {}}):
         with pytest.raises(ConfigError, match=r"optim.reduce_grads_once applies to ray.trainer_sharding 'fsdp'"):
             parse_run_config({"recipe": E2E, "optim": once, **ray})
@@ -194,7 +194,7 @@ def test_compiled_elementwise_combines_with_activation_checkpointing() -> None:
     assert optim.compile_elementwise and optim.activation_checkpointing
     cfg = parse_run_config({"recipe": E2E, "optim": {"compile_elementwise": True, "activation_checkpointing": True}})
     opts = trainer_options(cfg)
-    assert opts.compile_elementwise and opts.activation_checkpointing
+    assert opts.optim.compile_elementwise and opts.optim.activation_checkpointing
 
 
 def test_rollout_fp8_scaling_channel_serves_per_channel_weights_whatever_the_trainer_uses() -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp8rl.build import trainer_options
-from fp8rl.config import GRPOConfig, RunConfig, load_recipe
+from fp8rl.config import GRPOConfig, OptimConfig, RunConfig, load_recipe
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
@@ -35,20 +35,22 @@ def _batch(rows: int = 7, vocab: int = 40) -> tuple:
         ({}, r"optim\.cuda_graphs needs a CUDA device; this trainer runs on 'cpu'"),
         ({"backend": "te"}, r"optim\.cuda_graphs needs trainer 'torch', got 'te'"),
         ({"sharding": "fsdp"}, r"optim\.cuda_graphs cannot be combined with ray\.trainer_sharding 'fsdp'"),
-        ({"activation_checkpointing": True}, r"cannot be combined with optim\.activation_checkpointing"),
+        ({"optim": {"activation_checkpointing": True}}, r"cannot be combined with optim\.activation_checkpointing"),
     ],
 )
 def test_cuda_graphs_refuse_what_they_cannot_capture(tiny_models: dict[str, Path], options, error) -> None:
     with pytest.raises(ValueError, match=error):
-        TorchTrainer(tiny_models["tiny"], TrainerOptions(cuda_graphs=True, **options), device="cpu")
+        optim = OptimConfig(cuda_graphs=True, lr=2e-5, warmup_steps=0, **options.get("optim", {}))
+        rest = {k: v for k, v in options.items() if k != "optim"}
+        TorchTrainer(tiny_models["tiny"], TrainerOptions(optim=optim, **rest), device="cpu")
 
 
 def test_run_config_carries_the_cuda_graph_options() -> None:
     recipe = load_recipe("fp8-e2e")
     optim = {"cuda_graphs": True, "cuda_graph_width": 128, "cuda_graph_shapes": 3}
     o = trainer_options(RunConfig.model_validate({"recipe": recipe, "optim": optim}))
-    assert (o.cuda_graphs, o.cuda_graph_width, o.cuda_graph_shapes) == (True, 128, 3)
-    assert not trainer_options(RunConfig.model_validate({"recipe": recipe})).cuda_graphs  # off by default
+    assert (o.optim.cuda_graphs, o.optim.cuda_graph_width, o.optim.cuda_graph_shapes) == (True, 128, 3)
+    assert not trainer_options(RunConfig.model_validate({"recipe": recipe})).optim.cuda_graphs  # off by default
     with pytest.raises(ValueError, match="cuda_graph_width"):
         RunConfig.model_validate({"recipe": recipe, "optim": {"cuda_graph_width": 0}})
 
@@ -56,7 +58,7 @@ def test_run_config_carries_the_cuda_graph_options() -> None:
 @pytest.mark.parametrize("budget", [None, 48])
 def test_bucketed_micro_batches_give_the_unpadded_logprobs_and_loss(tiny_models: dict[str, Path], budget) -> None:
     batch, mask = _batch()
-    opts = TrainerOptions(lr=1e-3, micro_batch_size=3, micro_batch_tokens=budget)
+    opts = TrainerOptions(optim=OptimConfig(lr=1e-3, micro_batch_size=3, micro_batch_tokens=budget, warmup_steps=0))
     plain = TorchTrainer(tiny_models["tiny"], opts, device="cpu")
     padded = TorchTrainer(tiny_models["tiny"], opts, device="cpu")
     padded.micro = replace(padded.micro, width_step=8)  # what cuda_graph_width does, without the graphs (GPU only)
@@ -100,7 +102,11 @@ def test_layer_dispatch_is_the_layer_itself_when_not_replaying(tiny_models: dict
     """Installing the graphs' dispatch changes nothing outside a replay (on the CPU every forward is eager), and
     the trainer's forwards reach it with what a capture takes: no KV cache, the position embeddings, the mask."""
     batch, _ = _batch()
-    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(micro_batch_size=4), device="cpu")
+    trainer = TorchTrainer(
+        tiny_models["tiny"],
+        TrainerOptions(optim=OptimConfig(micro_batch_size=4, lr=2e-5, warmup_steps=0)),
+        device="cpu",
+    )
     layers = trainer.model.model.layers
     with torch.no_grad():
         ref = trainer.compute_logprobs(batch, 1.0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantSpec
 from fp8rl.train.fp8_linear import FP8TrainLinear
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
@@ -35,8 +35,7 @@ def one_rank() -> Iterator[None]:
 
 @pytest.mark.parametrize("once", [True, False])
 def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path], one_rank: None, once: bool) -> None:
-    opts = TrainerOptions(precision="fp8", sharding="fsdp", bf16_first_layers=1, micro_batch_size=2,
-                          fp8_gather_once=once)  # fmt: skip
+    opts = TrainerOptions(precision="fp8", sharding="fsdp", bf16_first_layers=1, optim=OptimConfig(micro_batch_size=2, fp8_gather_once=once, lr=2e-5, warmup_steps=0))  # fmt: skip
     trainer = TorchTrainer(tiny_models["tiny"], opts)
     layers = list(trainer.model.model.layers)
     assert not any(isinstance(m, FP8TrainLinear) for m in layers[0].modules())  # the BF16 first layer
@@ -65,7 +64,11 @@ def test_only_the_last_micro_batch_backward_waits_for_the_reductions(
     """Before each micro-batch of a step FSDP2 is told whether its backward is the step's last (only that one makes
     the compute stream wait for the pending reduce-scatters) and, with ``reduce_grads_once``, whether it
     reduce-scatters; read at each micro-batch's forward, for a policy step and an SFT step of 10 rows in 4 + 4 + 2."""
-    opts = TrainerOptions(precision="bf16", sharding="fsdp", micro_batch_size=4, reduce_grads_once=reduce_once)
+    opts = TrainerOptions(
+        precision="bf16",
+        sharding="fsdp",
+        optim=OptimConfig(micro_batch_size=4, reduce_grads_once=reduce_once, lr=2e-5, warmup_steps=0),
+    )
     trainer = TorchTrainer(tiny_models["tiny"], opts)
     seen: list[tuple[bool, bool]] = []
 

@@ -54,13 +54,16 @@ def test_the_trainer_checkpoints_with_the_contexts_and_flags_only_the_first_forw
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
     from sharded_trainer_worker import fixed_batch
 
-    from fp8rl.config import GRPOConfig
+    from fp8rl.config import GRPOConfig, OptimConfig
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
     batch, adv, old, mask = fixed_batch()
     results = []
     for checkpointing in (False, True):
-        opts = TrainerOptions(precision="fp8", lr=1e-3, micro_batch_size=10, activation_checkpointing=checkpointing)
+        opts = TrainerOptions(
+            precision="fp8",
+            optim=OptimConfig(lr=1e-3, micro_batch_size=10, activation_checkpointing=checkpointing, warmup_steps=0),
+        )
         trainer = TorchTrainer(tiny_models["small"], opts, device="cpu")
         linears = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
         seen: list[bool] = []

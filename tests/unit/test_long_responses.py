@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.rollout import SamplingParams, TorchRolloutEngine
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
@@ -40,7 +40,9 @@ def test_trimmed_micro_batches_compute_what_the_padded_batch_computes(tiny_model
     trimmed = batch.trimmed()
     prompt, response = batch.extents()
     assert trimmed.prompt_width == int(prompt.max()) and trimmed.response_mask.shape[1] == int(response.max())
-    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(micro_batch_tokens=120))
+    trainer = TorchTrainer(
+        tiny_models["tiny"], TrainerOptions(optim=OptimConfig(micro_batch_tokens=120, lr=2e-5, warmup_steps=0))
+    )
     slices = trainer.micro.slices(batch)
     assert slices[0].start == 0 and slices[-1].stop == 12
     assert all(a.stop == b.start for a, b in itertools.pairwise(slices))
@@ -60,8 +62,12 @@ def test_policy_step_reports_the_padding_it_computed(tiny_models: dict[str, Path
     n, t = batch.response_mask.shape
     old = -torch.rand(n, t) * batch.response_mask
     adv = torch.linspace(-1, 1, n)
-    rows = TorchTrainer(tiny_models["tiny"], TrainerOptions(micro_batch_size=64))
-    tokens = TorchTrainer(tiny_models["tiny"], TrainerOptions(micro_batch_tokens=120))
+    rows = TorchTrainer(
+        tiny_models["tiny"], TrainerOptions(optim=OptimConfig(micro_batch_size=64, lr=2e-5, warmup_steps=0))
+    )
+    tokens = TorchTrainer(
+        tiny_models["tiny"], TrainerOptions(optim=OptimConfig(micro_batch_tokens=120, lr=2e-5, warmup_steps=0))
+    )
     m_rows = rows.policy_step(batch, adv, old, None, batch.response_mask, GRPOConfig(), 1.0)
     m_tokens = tokens.policy_step(batch, adv, old, None, batch.response_mask, GRPOConfig(), 1.0)
     valid = float(batch.attention_mask.sum())
@@ -91,7 +97,10 @@ def test_two_thousand_token_responses_through_engine_and_trainer(long_context_mo
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     r = engine.generate(prompts, SamplingParams(max_tokens=2048, seed=1, ignore_eos=True))
     assert r.response_ids.shape == (2, 2048) and r.num_tokens == 2 * 2048
-    trainer = TorchTrainer(long_context_model, TrainerOptions(precision=precision, micro_batch_tokens=2100))
+    trainer = TorchTrainer(
+        long_context_model,
+        TrainerOptions(precision=precision, optim=OptimConfig(micro_batch_tokens=2100, lr=2e-5, warmup_steps=0)),
+    )
     batch = build_batch(r.prompt_ids, r.response_ids, r.response_mask, engine.pad_token_id)
     old = trainer.compute_logprobs(batch, 1.0)
     assert old.shape == (2, 2048) and torch.isfinite(old).all()

@@ -92,10 +92,11 @@ def test_checkpoints_pin_only_the_char_tokenizer(tmp_path: Path, tiny_models: di
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
+    from fp8rl.config import OptimConfig
     from fp8rl.models.tokenizer import is_char_tokenizer
     from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
-    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions())
+    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(optim=OptimConfig(lr=2e-5, warmup_steps=0)))
     char = AutoTokenizer.from_pretrained(str(tiny_models["tiny"]))
     other = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>")),

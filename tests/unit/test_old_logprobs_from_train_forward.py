@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.config import Correction, GRPOConfig, MISCorrection, NoCorrection, TISCorrection
+from fp8rl.config import Correction, GRPOConfig, MISCorrection, NoCorrection, OptimConfig, TISCorrection
 from fp8rl.rl import mismatch_correction, mismatch_metrics
 from fp8rl.train.policy_terms import CORRECTION, MISMATCH, ess_metric
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
@@ -34,7 +34,9 @@ LR = 1e-3
 
 def _trainer(path: Path, precision: str) -> TorchTrainer:
     torch.manual_seed(0)
-    return TorchTrainer(path, TrainerOptions(precision=precision, micro_batch_size=4, lr=LR))
+    return TorchTrainer(
+        path, TrainerOptions(precision=precision, optim=OptimConfig(micro_batch_size=4, lr=LR, warmup_steps=0))
+    )
 
 
 def _recording_grads(trainer: TorchTrainer) -> list[torch.Tensor]:

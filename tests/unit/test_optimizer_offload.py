@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8rl.build import trainer_options
-from fp8rl.config import ConfigError, GRPOConfig, load_recipe, parse_run_config
+from fp8rl.config import ConfigError, GRPOConfig, OptimConfig, load_recipe, parse_run_config
 from fp8rl.train.optim import StateOffload
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
@@ -39,7 +39,10 @@ def _moments(trainer: TorchTrainer) -> list[torch.Tensor]:
 
 
 def _trainer(model: Path, offload: bool) -> TorchTrainer:
-    return TorchTrainer(model, TrainerOptions(lr=1e-3, micro_batch_size=4, offload_optimizer_state=offload))
+    return TorchTrainer(
+        model,
+        TrainerOptions(optim=OptimConfig(lr=1e-3, micro_batch_size=4, offload_optimizer_state=offload, warmup_steps=0)),
+    )
 
 
 def test_offloaded_moments_give_the_same_steps(tiny_models: dict[str, Path]) -> None:
@@ -79,7 +82,7 @@ def test_the_run_config_turns_it_on() -> None:
     cfg = parse_run_config(
         {"recipe": load_recipe("bf16").model_dump(), "optim": {"offload_optimizer_state": True}}, "test"
     )
-    assert trainer_options(cfg).offload_optimizer_state
+    assert trainer_options(cfg).optim.offload_optimizer_state
     with pytest.raises(ConfigError, match="offload_optimizer_state"):
         parse_run_config(
             {"recipe": load_recipe("bf16").model_dump(), "optim": {"offload_optimizer_state": "sometimes"}}, "test"
@@ -91,7 +94,10 @@ def test_fp8_linears_drop_their_cached_weights_before_the_step(tiny_models: dict
     do not add to the step's memory peak; the step itself is unchanged."""
     from fp8rl.train.fp8_linear import FP8TrainLinear
 
-    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(precision="fp8", lr=1e-3, micro_batch_size=4))
+    trainer = TorchTrainer(
+        tiny_models["tiny"],
+        TrainerOptions(precision="fp8", optim=OptimConfig(lr=1e-3, micro_batch_size=4, warmup_steps=0)),
+    )
     linears = [m for m in trainer.model.modules() if isinstance(m, FP8TrainLinear)]
     assert linears
     seen: list[bool] = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
 from fp8rl.rollout import FP8InferenceLinear, SamplingParams, TorchRolloutEngine, filter_logits
 from fp8rl.sync import InProcessWeightSync, SyncVerificationError, verify_engine_weights
@@ -72,7 +72,7 @@ def test_engine_generates_with_own_logprobs(tiny_models: dict[str, Path], precis
     # logprobs come from the engine's forward: the trainer's full-sequence recompute under the
     # same numerics (bf16 engine vs bf16 trainer) agrees to float rounding
     if precision == "bf16":
-        trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions())
+        trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(optim=OptimConfig(lr=2e-5, warmup_steps=0)))
         lp = trainer.compute_logprobs(build_batch(r.prompt_ids, r.response_ids, r.response_mask, 0), 1.0)
         torch.testing.assert_close(lp, r.logprobs, atol=2e-2, rtol=0)
 
@@ -97,7 +97,9 @@ def test_greedy_stops_at_eos(tiny_models: dict[str, Path]) -> None:
 def test_sync_is_bit_exact_and_versioned(tiny_models: dict[str, Path], precision: str) -> None:
     spec = QuantSpec()
     engine = TorchRolloutEngine(tiny_models["tiny"], precision, spec)
-    trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(precision=precision, lr=1e-2))
+    trainer = TorchTrainer(
+        tiny_models["tiny"], TrainerOptions(precision=precision, optim=OptimConfig(lr=1e-2, warmup_steps=0))
+    )
     r = engine.generate(PROMPTS * 4, SamplingParams(max_tokens=4, seed=0))
     batch = build_batch(r.prompt_ids, r.response_ids, r.response_mask, 0)
     old = trainer.compute_logprobs(batch, 1.0)
@@ -131,7 +133,10 @@ def test_bf16_layers_stay_high_precision(tiny_models: dict[str, Path]) -> None:
     assert all(".layers.1." in n or ".layers.2." in n for n in engine.fp8_modules)
     assert len(engine.fp8_modules) == 14
     trainer = TorchTrainer(
-        tiny_models["small"], TrainerOptions(precision="fp8", bf16_first_layers=1, bf16_last_layers=1)
+        tiny_models["small"],
+        TrainerOptions(
+            precision="fp8", bf16_first_layers=1, bf16_last_layers=1, optim=OptimConfig(lr=2e-5, warmup_steps=0)
+        ),
     )
     assert trainer.fp8_modules == engine.fp8_modules
     assert type(trainer.model.get_submodule("model.layers.0.mlp.up_proj")) is nn.Linear

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8rl.cluster.groups import combine_rank_metrics
-from fp8rl.config import GRPOConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.train.step_profile import CALLS_PREFIX, METRIC_PREFIX, WALL_KEY, category
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
@@ -48,7 +48,9 @@ def test_an_armed_policy_step_reports_its_kernel_time_and_is_the_same_step(tiny_
     batch, adv, old, mask = _batch()
     runs = []
     for profiled in (False, True):
-        trainer = TorchTrainer(tiny_models["tiny"], TrainerOptions(lr=1e-3, micro_batch_size=2))
+        trainer = TorchTrainer(
+            tiny_models["tiny"], TrainerOptions(optim=OptimConfig(lr=1e-3, micro_batch_size=2, warmup_steps=0))
+        )
         steps = []
         for i in range(3):
             if profiled and i == 1:

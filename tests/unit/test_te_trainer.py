@@ -25,7 +25,7 @@ from torch import nn
 
 import fp8rl.train.te_trainer as te_trainer
 from fp8rl.build import build_trainer
-from fp8rl.config import ConfigError, GRPOConfig, load_recipe, parse_recipe, parse_run_config
+from fp8rl.config import ConfigError, GRPOConfig, OptimConfig, load_recipe, parse_recipe, parse_run_config
 from fp8rl.errors import UserError
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
@@ -261,9 +261,14 @@ def fake_te_trainer(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_te_swap_keeps_hf_names_and_order(tiny_models: dict[str, Path], fake_te_trainer: Any, precision: str) -> None:
-    opts = TrainerOptions(precision=precision, backend="te", bf16_first_layers=1)
+    opts = TrainerOptions(
+        precision=precision, backend="te", bf16_first_layers=1, optim=OptimConfig(lr=2e-5, warmup_steps=0)
+    )
     te = te_trainer.TETrainer(tiny_models["tiny"], opts, device="cpu")
-    ref = TorchTrainer(tiny_models["tiny"], TrainerOptions(precision=precision, bf16_first_layers=1))
+    ref = TorchTrainer(
+        tiny_models["tiny"],
+        TrainerOptions(precision=precision, bf16_first_layers=1, optim=OptimConfig(lr=2e-5, warmup_steps=0)),
+    )
     assert list(te.hf_state_dict()) == list(ref.hf_state_dict())
     for name, value in ref.hf_state_dict().items():
         assert torch.equal(te.hf_state_dict()[name], value), name
@@ -285,8 +290,14 @@ def test_fp8_forwards_pad_to_te_alignment_without_changing_logprobs(
 ) -> None:
     """The stand-in is a plain linear, so the padded FP8 path must give the unpadded logprobs: in float32
     (cast after construction) to summation order, which in bf16 alone moves them by ~2e-3."""
-    te = te_trainer.TETrainer(tiny_models["tiny"], TrainerOptions(precision="fp8", backend="te"), device="cpu")
-    ref = TorchTrainer(tiny_models["tiny"], TrainerOptions(precision="bf16"))
+    te = te_trainer.TETrainer(
+        tiny_models["tiny"],
+        TrainerOptions(precision="fp8", backend="te", optim=OptimConfig(lr=2e-5, warmup_steps=0)),
+        device="cpu",
+    )
+    ref = TorchTrainer(
+        tiny_models["tiny"], TrainerOptions(precision="bf16", optim=OptimConfig(lr=2e-5, warmup_steps=0))
+    )
     te.model.float()
     ref.model.float()
     response = torch.tensor([[10, 11, 12, 2], [13, 14, 2, 0], [15, 16, 17, 18]])
@@ -306,7 +317,11 @@ def test_fp8_forwards_pad_to_te_alignment_without_changing_logprobs(
 
 
 def test_bf16_forwards_skip_autocast_and_padding(tiny_models: dict[str, Path], fake_te_trainer: Any) -> None:
-    te = te_trainer.TETrainer(tiny_models["tiny"], TrainerOptions(precision="bf16", backend="te"), device="cpu")
+    te = te_trainer.TETrainer(
+        tiny_models["tiny"],
+        TrainerOptions(precision="bf16", backend="te", optim=OptimConfig(lr=2e-5, warmup_steps=0)),
+        device="cpu",
+    )
     batch = build_batch(PROMPTS, torch.tensor([[10], [11], [12]]), torch.ones(3, 1), 0)
     te.compute_logprobs(batch, 1.0)
     assert _FakeTELinear.calls and not any(fp8 for _, fp8 in _FakeTELinear.calls)
@@ -314,7 +329,11 @@ def test_bf16_forwards_skip_autocast_and_padding(tiny_models: dict[str, Path], f
 
 
 def test_te_checkpoint_has_hf_names_only(tiny_models: dict[str, Path], fake_te_trainer: Any, tmp_path: Path) -> None:
-    te = te_trainer.TETrainer(tiny_models["tiny"], TrainerOptions(precision="fp8", backend="te"), device="cpu")
+    te = te_trainer.TETrainer(
+        tiny_models["tiny"],
+        TrainerOptions(precision="fp8", backend="te", optim=OptimConfig(lr=2e-5, warmup_steps=0)),
+        device="cpu",
+    )
     assert any(k.endswith("._extra_state") for k in te.model.state_dict())  # what TE modules add
     te.save(tmp_path / "ckpt")
     back = load_causal_lm(tmp_path / "ckpt", dtype=torch.bfloat16)
@@ -330,7 +349,11 @@ def test_te_refuses_fp8_layers_te_cannot_multiply(monkeypatch: pytest.MonkeyPatc
                       num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)  # fmt: skip
     model = LlamaForCausalLM(cfg)
     with pytest.raises(TERecipeError, match=r"q_proj: \[72, 72\].*divisible by 16"):
-        te_trainer.TETrainer(model, TrainerOptions(precision="fp8", backend="te"), device="cpu")
+        te_trainer.TETrainer(
+            model,
+            TrainerOptions(precision="fp8", backend="te", optim=OptimConfig(lr=2e-5, warmup_steps=0)),
+            device="cpu",
+        )
 
 
 # ---- building the TE recipe object, against a stand-in of transformer_engine.common.recipe ----------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.config import OptimConfig
 from fp8rl.train.batches import SequenceBatch, build_batch, micro_batch_weight, policy_batch_totals
 from fp8rl.train.model_inputs import causal_padding_mask, prepares_masks
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
@@ -56,7 +57,9 @@ def _reads_inside_hf(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_the_trainer_forward_equals_hf_and_reads_nothing(
     tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
-    trainer = TorchTrainer(tiny_models["small"], TrainerOptions(precision="bf16"), device="cpu")
+    trainer = TorchTrainer(
+        tiny_models["small"], TrainerOptions(precision="bf16", optim=OptimConfig(lr=2e-5, warmup_steps=0)), device="cpu"
+    )
     assert trainer._masks
     batch = _batches()[kind]
     mask, positions = trainer._model_inputs(batch)
@@ -76,7 +79,10 @@ def test_gradients_through_checkpointed_layers_equal_hf(tiny_models: dict[str, P
     """The backward recomputes checkpointed layers under ``sdpa`` again: the same function on the same arguments."""
     grads = []
     for ours in (False, True):
-        trainer = TorchTrainer(tiny_models["small"], TrainerOptions(precision="bf16", activation_checkpointing=True))
+        trainer = TorchTrainer(
+            tiny_models["small"],
+            TrainerOptions(precision="bf16", optim=OptimConfig(activation_checkpointing=True, lr=2e-5, warmup_steps=0)),
+        )
         for b in _batches().values():
             logits = trainer._logits(b.input_ids, *trainer._model_inputs(b)) if ours else _hf(trainer, b)
             logits.float().square().mean().backward()
@@ -86,7 +92,9 @@ def test_gradients_through_checkpointed_layers_equal_hf(tiny_models: dict[str, P
 
 
 def test_other_attention_and_sliding_windows_take_hfs_path(tiny_models: dict[str, Path]) -> None:
-    trainer = TorchTrainer(tiny_models["small"], TrainerOptions(precision="bf16"), device="cpu")
+    trainer = TorchTrainer(
+        tiny_models["small"], TrainerOptions(precision="bf16", optim=OptimConfig(lr=2e-5, warmup_steps=0)), device="cpu"
+    )
     config = trainer.model.config
     config._attn_implementation = "eager"
     assert not prepares_masks(config)
@@ -121,7 +129,10 @@ def test_a_backend_sets_the_context_of_its_checkpointed_layers_recompute(tiny_mo
             first, recompute = super()._checkpoint_contexts()
             return marked(first, "first"), marked(recompute, "recompute")
 
-    trainer = Marked(tiny_models["small"], TrainerOptions(precision="fp8", activation_checkpointing=True))
+    trainer = Marked(
+        tiny_models["small"],
+        TrainerOptions(precision="fp8", optim=OptimConfig(activation_checkpointing=True, lr=2e-5, warmup_steps=0)),
+    )
     layers = trainer.model.config.num_hidden_layers
     b = next(iter(_batches().values()))
     logits = trainer._logits(b.input_ids, *trainer._model_inputs(b))
