@@ -19,7 +19,7 @@ def all_components() -> dict[str, Any]:
     ``python -m pipelines.compile --components`` writes each as a YAML other pipelines can load
     (``kfp.components.load_component_from_file``)."""
     from components.benchmark import benchmark, benchmark_model, benchmark_recipes
-    from components.compare import compare_recipes
+    from components.compare import compare_recipes, comparison_runs
     from components.convert import convert_to_fp8
     from components.diagnose import diagnose_mismatch
     from components.evaluate import evaluate
@@ -28,6 +28,6 @@ def all_components() -> dict[str, Any]:
     from components.sft_warmup import sft_warmup
     from components.tracking import finish_tracking, start_tracking
 
-    found = [start_tracking, prepare_model, sft_warmup, convert_to_fp8, diagnose_mismatch, rl_step, evaluate,
+    found = [start_tracking, prepare_model, sft_warmup, convert_to_fp8, diagnose_mismatch, comparison_runs, rl_step, evaluate,
              benchmark_model, benchmark_recipes, benchmark, compare_recipes, finish_tracking]  # fmt: skip
     return {c.name.replace("_", "-"): c for c in found}

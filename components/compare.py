@@ -7,6 +7,20 @@ from components.images import COMPONENT_IMAGE
 
 
 @dsl.component(base_image=COMPONENT_IMAGE, install_kfp_package=False)
+def comparison_runs(recipes: list, seeds: list, seed: int) -> list:
+    """The runs of a comparison: every recipe with every seed of ``seeds`` (empty: ``seed`` alone), as
+    ``{"recipe": ..., "seed": ...}`` items, recipe by recipe (one list output, which a ParallelFor iterates)."""
+    from fp8rl.errors import UserError
+
+    if not recipes:
+        raise UserError("recipes: the comparison needs at least one recipe")
+    runs = [{"recipe": str(r), "seed": int(s)} for r in recipes for s in (seeds or [seed])]
+    if len({(r["recipe"], r["seed"]) for r in runs}) < len(runs):
+        raise UserError(f"recipes {recipes} with seeds {seeds or [seed]}: a recipe or a seed is given twice")
+    return runs
+
+
+@dsl.component(base_image=COMPONENT_IMAGE, install_kfp_package=False)
 def compare_recipes(
     mlflow_run: Input[Artifact],
     run_ids: list,

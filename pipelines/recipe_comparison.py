@@ -29,6 +29,7 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
         recipes: list = list(CORE_RECIPES),  # noqa: B006
         model_source: str = stages.DEFAULT_MODEL_SOURCE,
         seed: int = 0,
+        seeds: list = [],  # noqa: B006
         sft_steps: int = stages.DEFAULT_SFT_STEPS,
         rl_steps: int = stages.DEFAULT_RL_STEPS,
         bench_steps: int = stages.DEFAULT_BENCH_STEPS,
@@ -47,6 +48,8 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
     ) -> None:
         """Every recipe starts from the same warmed-up checkpoint and is one child MLflow run of one comparison run.
 
+        ``seed``: the model's initial weights (a tiny preset), the SFT warm-up and, without ``seeds``, the RL run.
+        ``seeds``: every recipe runs once per seed (its own RL step, evaluation and benchmark, its own MLflow run).
         ``run_config``: further RunConfig fields for every recipe (e.g. ``{"grpo": {"prompts_per_step": 8}}``).
         ``backend``: ``rayjob`` (a KubeRay RayJob per RL step) or ``local`` (in the step's process).
         ``diagnose``: first attribute ``convert_recipe``'s FP8 mismatch to layers on the warmed-up model and
@@ -58,9 +61,10 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
             tracking = stages.start(NAME, experiment, work_dir, refs)
             warm = stages.warm_up(NAME, stages.prepare(model_source, seed, refs), sft_steps, tracking, refs)
             conversion = stages.convert(warm, convert_recipe, refs)
-            params = stages.RecipeParams(seed, run_config, rl_steps, bench_steps, backend, device)
-            with dsl.ParallelFor(recipes, parallelism=parallelism) as recipe:
-                rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, recipe, params, refs)
+            runs = stages.runs(recipes, seeds, seed, refs)
+            with dsl.ParallelFor(runs.output, parallelism=parallelism) as run:
+                params = stages.RecipeParams(run.seed, run_config, rl_steps, bench_steps, backend, device)
+                rl, _, bench = stages.train_evaluate_benchmark(NAME, warm, tracking, run.recipe, params, refs)
                 rl.after(conversion)
             with dsl.If(diagnose == True):  # noqa: E712 -- a KFP condition, not a Python comparison
                 stages.diagnose(warm, convert_recipe, run_config, diagnose_target, device, refs)

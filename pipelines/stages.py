@@ -9,7 +9,7 @@ from kfp import dsl
 from kfp.dsl import PipelineTask
 
 from components.benchmark import benchmark
-from components.compare import compare_recipes
+from components.compare import compare_recipes, comparison_runs
 from components.convert import convert_to_fp8
 from components.diagnose import diagnose_mismatch
 from components.evaluate import evaluate
@@ -116,6 +116,12 @@ def train_evaluate_benchmark(
     ).set_display_name("benchmark")  # fmt: skip
     on_cluster(bench.after(ev), refs, tracked=True, gpu=True)  # after evaluation: timings without a neighbour
     return rl, ev, bench
+
+
+def runs(recipes: Any, seeds: Any, seed: Any, refs: ClusterRefs) -> PipelineTask:
+    """Every recipe x seed (``seeds`` empty: ``seed``): the list the comparison's loop iterates."""
+    task = comparison_runs(recipes=recipes, seeds=seeds, seed=seed).set_display_name("comparison runs")
+    return on_cluster(task, refs)
 
 
 def compare(

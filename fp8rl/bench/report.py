@@ -92,6 +92,7 @@ def _columns() -> list[Column]:
     return [
         Column("recipe", lambda r: r.recipe),
         *(Column(h, functools.partial(_cell, metric=m, fmt=f)) for h, m, f in COLUMNS),
+        Column("run", lambda r: r.run_name),  # <recipe>-seed<N>: which seed, when a recipe runs with several
         Column("status", lambda r: r.status),
         Column("MLflow run", lambda r: r.run_id),
     ]

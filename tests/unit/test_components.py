@@ -516,3 +516,17 @@ def test_diagnose_component_writes_report_and_recommendation(tmp_path: Path) -> 
         diagnose_mismatch.python_func(
             model=model, recipe="bf16", run_config={}, report=report, diagnosis=diagnosis, device="cpu"
         )
+
+
+def test_comparison_runs_pair_every_recipe_with_every_seed() -> None:
+    from components.compare import comparison_runs
+
+    assert comparison_runs.python_func(recipes=["bf16", "fp8-e2e"], seeds=[0, "1"], seed=7) == [
+        {"recipe": "bf16", "seed": 0}, {"recipe": "bf16", "seed": 1},
+        {"recipe": "fp8-e2e", "seed": 0}, {"recipe": "fp8-e2e", "seed": 1},
+    ]  # fmt: skip
+    assert comparison_runs.python_func(recipes=["bf16"], seeds=[], seed=7) == [{"recipe": "bf16", "seed": 7}]
+    with pytest.raises(UserError, match="given twice"):
+        comparison_runs.python_func(recipes=["bf16"], seeds=[1, 1], seed=0)
+    with pytest.raises(UserError, match="at least one recipe"):
+        comparison_runs.python_func(recipes=[], seeds=[], seed=0)

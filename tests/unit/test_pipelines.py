@@ -39,7 +39,7 @@ EXECUTORS = {
     "fp8-rl": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "rl-step", "evaluate", "benchmark",
                "compare-recipes", "finish-tracking"},
     "recipe-comparison": {"start-tracking", "prepare-model", "sft-warmup", "convert-to-fp8", "diagnose-mismatch",
-                          "rl-step", "evaluate", "benchmark", "compare-recipes", "finish-tracking"},
+                          "comparison-runs", "rl-step", "evaluate", "benchmark", "compare-recipes", "finish-tracking"},
     "fp8-benchmark": {"start-tracking", "benchmark-recipes", "benchmark-model", "prepare-model", "convert-to-fp8",
                       "benchmark", "compare-recipes", "finish-tracking"},
 }  # fmt: skip
@@ -124,6 +124,7 @@ def test_recipe_comparison_parameters(irs: dict[str, list[dict[str, Any]]]) -> N
         "recipes": ("LIST", ["bf16", "fp8-rollout", "fp8-e2e"]),
         "model_source": ("STRING", "tiny"),
         "seed": ("NUMBER_INTEGER", 0),
+        "seeds": ("LIST", []),
         "sft_steps": ("NUMBER_INTEGER", 600),
         "rl_steps": ("NUMBER_INTEGER", 60),
         "bench_steps": ("NUMBER_INTEGER", 3),
@@ -166,15 +167,18 @@ def test_recipes_fan_out_and_are_collected(irs: dict[str, list[dict[str, Any]]])
     root = body(ir)
     (loop_name,) = [name for name in root if name.startswith("for-loop-")]
     loop = root[loop_name]
-    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--recipes"}
+    # every recipe x seed, from the comparison-runs step's one output
+    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--comparison-runs-Output"}
     assert "iteratorPolicy" not in loop  # all recipes at once on a cluster
     steps = ir[0]["components"][loop["componentRef"]["name"]]["dag"]["tasks"]
     assert set(steps) == {"rl-step", "evaluate", "benchmark"}
     assert steps["evaluate"]["dependentTasks"] == ["rl-step"]
     assert sorted(steps["benchmark"]["dependentTasks"]) == ["evaluate", "rl-step"]
-    assert steps["rl-step"]["inputs"]["parameters"]["recipe"] == {
-        "componentInputParameter": "pipelinechannel--recipes-loop-item"
-    }
+    item = "pipelinechannel--comparison-runs-Output-loop-item"
+    for key in ("recipe", "seed"):
+        assert steps["rl-step"]["inputs"]["parameters"][key] == {
+            "componentInputParameter": item, "parameterExpressionSelector": f'parseJson(string_value)["{key}"]'
+        }  # fmt: skip
     assert steps["rl-step"]["inputs"]["artifacts"]["model"]["componentInputArtifact"].endswith("sft-warmup-model")
     assert steps["evaluate"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "rl-step"
     compare = root["compare-recipes"]["inputs"]
