@@ -11,6 +11,8 @@
 #                                                (every .json, .md, .log and .png CMD wrote under /tmp/res, whose path
 #                                                it gets as $RES)
 #   bash scripts/gpu_stack.sh poll               there: waits again for the job (a job that outlasts one command)
+#   bash scripts/gpu_stack.sh pack-file FILE     here: any large file (a model's wheel, say) -> .carry/file1 .. N
+#   bash scripts/gpu_stack.sh file-part .carry/fileK  there, one command per part: the file whole in /tmp/files/
 #
 # The bundle: vLLM (VLLM_SLIM: a tar.xz of the vllm package and its dist-info, default $TMPDIR/vllm_pack/slim.tar.xz;
 # VLLM_DEPS: the wheels of vLLM's dependencies that the machine's image lacks, default .carry/vllm2/deps), Ray and its
@@ -92,6 +94,30 @@ case $step in
 print('IMPORT_OK ray', ray.__version__, 'vllm', vllm.__version__, 'mlflow', mlflow.__version__, 'kfp', kfp.__version__)" \
       2>&1 | tail -n 1
     echo "SETUP_SECONDS $(( $(date +%s) - t0 ))"
+    ;;
+  pack-file)
+    [ -f "$arg" ] || { echo "gpu_stack: $arg: no such file"; exit 2; }
+    W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
+    size=$(stat -c %s "$arg"); part=$(( ${PART_MB:-55} * 1000000 )); n=$(( (size + part - 1) / part ))
+    sha=$(sha256sum "$arg" | cut -d' ' -f1); name=$(basename "$arg")
+    rm -rf .carry/file*; split -n "$n" -d -a 2 "$arg" "$W/part."
+    k=1
+    for p in "$W"/part.*; do
+      mkdir -p ".carry/file$k" && mv "$p" ".carry/file$k/" && echo "$sha $n $name" > ".carry/file$k/manifest.txt"
+      k=$((k + 1))
+    done
+    grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
+    du -sb .carry/file*; echo "send .carry/file1 .. .carry/file$n with 'file-part', one command each"
+    ;;
+  file-part)
+    [ -f "$arg/manifest.txt" ] || { echo "gpu_stack: $arg/manifest.txt: no such file (a .carry/fileK of 'pack-file')"; exit 2; }
+    read -r sha n name < "$arg/manifest.txt"
+    mkdir -p "/tmp/fileparts/$name" /tmp/files && cp "$arg"/part.* "/tmp/fileparts/$name/" || exit 2
+    have=$(ls "/tmp/fileparts/$name" | wc -l)
+    [ "$have" -lt "$n" ] && { echo "have $have of $n parts of $name; send the next now"; exit 0; }
+    cat "/tmp/fileparts/$name"/part.* > "/tmp/files/$name.tmp" && rm -rf "/tmp/fileparts/$name"
+    echo "$sha  /tmp/files/$name.tmp" | sha256sum -c - >/dev/null || { echo "gpu_stack: $name: checksum mismatch"; exit 3; }
+    mv "/tmp/files/$name.tmp" "/tmp/files/$name" && echo "FILE_OK /tmp/files/$name"
     ;;
   start|poll)
     # FlashInfer's sampler is not in the bundle; DeepGEMM would compile ~1,700 kernels for a block-FP8 model
