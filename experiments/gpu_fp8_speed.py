@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # gpu_sections, gpu_te_speed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_sections, gpu_te_speed, beside this file
 
 from gpu_sections import run_section, say
 from gpu_te_speed import decoder_stack, opts

@@ -1,4 +1,4 @@
-"""``scripts/gpu_vllm_overhead.py``'s variant names (the script runs on the lent GPU; its names are parsed here)."""
+"""``experiments/gpu_vllm_overhead.py``'s variant names (the script runs on the lent GPU; its names are parsed here)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from fp8rl.config import RolloutConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
 overhead = pytest.importorskip("gpu_vllm_overhead")
 
 

@@ -6,11 +6,11 @@ Sections (each catches its own failure, records it in the JSON and the run goes 
   c  rl: the RL loop with rollout.engine vllm, 3 steps each of bf16 / fp8-rollout / fp8-e2e
   d  sleep: colocated sleep/wake frees the memory and keeps the outputs
   e  kvfp8: FP8 KV cache calibrated from the trainer model vs the BF16 KV cache; the scales are live
-  f  throughput: scripts/gpu_vllm_throughput.py (its own device call, one process per variant)
+  f  throughput: experiments/gpu_vllm_throughput.py (its own device call, one process per variant)
 
 Usage on the device (vLLM on PYTHONPATH):
-  python scripts/gpu_vllm.py                        # a-e, about 3 minutes on an H100
-  python scripts/gpu_vllm_throughput.py --variants fp8   # f, about 2.5 minutes per variant
+  python experiments/gpu_vllm.py                        # a-e, about 3 minutes on an H100
+  python experiments/gpu_vllm_throughput.py --variants fp8   # f, about 2.5 minutes per variant
 Writes $OUT/gpu_vllm.json after every section; what the GPU scripts share is in gpu_sections.py.
 """
 

@@ -1,9 +1,9 @@
-"""Section f of the vLLM GPU check (scripts/gpu_vllm.py has a-e): output tokens/s of a random Qwen2.5-3B-shaped
+"""Section f of the vLLM GPU check (experiments/gpu_vllm.py has a-e): output tokens/s of a random Qwen2.5-3B-shaped
 Llama in vLLM, BF16 vs block FP8 vs FP8 + FP8 KV cache, CUDA graphs on, per batch and response length, and the
 time to requantize and reload the whole model.  Run one variant per process (``--variants``): an engine closed
 in-process does not give all of vLLM's memory back.
 
-    python scripts/gpu_vllm_throughput.py --variants fp8 [--batches 64,256] [--lengths 512,2048]
+    python experiments/gpu_vllm_throughput.py --variants fp8 [--batches 64,256] [--lengths 512,2048]
 
 Writes $OUT/gpu_vllm_throughput_<variants>.json.
 """

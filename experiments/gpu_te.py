@@ -21,7 +21,7 @@ has a time budget and skips what does not fit):
 Writes $OUT/gpu_te.json after every section (OUT defaults to '.'), and readable lines.
 
 Usage on the GPU machine (docs/te.md for the cuDNN environment TE needs before Python starts):
-    PYTHONPATH=/tmp/site python3 scripts/gpu_te.py [--budget 420] [--only env,consistency]
+    PYTHONPATH=/tmp/site python3 experiments/gpu_te.py [--budget 420] [--only env,consistency]
 """
 
 from __future__ import annotations

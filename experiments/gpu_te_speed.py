@@ -1,4 +1,4 @@
-"""The speed sections of the TransformerEngine GPU check (scripts/gpu_te.py runs them), and the trainer helpers
+"""The speed sections of the TransformerEngine GPU check (experiments/gpu_te.py runs them), and the trainer helpers
 both use.
 
   throughput   forward+backward+optimizer tokens/s (TorchTrainer.sft_step) of te-FP8 (block, current, delayed),

@@ -5,17 +5,17 @@
 #
 # The GPU machine is offline and takes at most 64 MiB per command, so vLLM 0.26.0 (../shared/device/vllm/pack.sh),
 # Ray 2.60.0 and the wheels of Ray's dependencies travel as one bundle cut into parts:
-#   bash scripts/gpu_ray_vllm.sh pack                    here: fills .carry/rv1 .. .carry/rvN (git-ignored)
-#   bash scripts/gpu_ray_vllm.sh part .carry/rvK         on the GPU machine, one call per part, back to back
+#   bash experiments/gpu_ray_vllm.sh pack                    here: fills .carry/rv1 .. .carry/rvN (git-ignored)
+#   bash experiments/gpu_ray_vllm.sh part .carry/rvK         on the GPU machine, one call per part, back to back
 #                                                        (/tmp there lasts ~30 s after a command); the last one
 #                                                        unpacks vLLM and installs Ray into /tmp/site
-#   bash scripts/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
-#   bash scripts/gpu_ray_vllm.sh ipc                     the CUDA IPC sync: its GPU tests, then the same benchmark with
+#   bash experiments/gpu_ray_vllm.sh run                     the benchmark, detached; waits up to WAIT_S (540 s)
+#   bash experiments/gpu_ray_vllm.sh ipc                     the CUDA IPC sync: its GPU tests, then the same benchmark with
 #                                                        ray.sync ipc (RECIPES) and objectstore (STORE_RECIPES), detached
-#   bash scripts/gpu_ray_vllm.sh overhead                scripts/gpu_vllm_overhead.py (its ARGS), detached, after
+#   bash experiments/gpu_ray_vllm.sh overhead                experiments/gpu_vllm_overhead.py (its ARGS), detached, after
 #                                                        PYTEST's GPU tests; with ENGINE_PROCESS_TOO=1 again with
 #                                                        --engine-process, same job
-#   bash scripts/gpu_ray_vllm.sh x2                      two GPUs (nvidia-h100-x2), detached, in order, the parts named in
+#   bash experiments/gpu_ray_vllm.sh x2                      two GPUs (nvidia-h100-x2), detached, in order, the parts named in
 #                                                        X2 (default "tests split overhead fsdp"): tests = the 2-GPU
 #                                                        GPU tests (FSDP over NCCL, vLLM on Ray split/colocated, every
 #                                                        sync verified); split = the step, split layout + NCCL sync
@@ -45,15 +45,15 @@
 #                                                        (fp8-row-kv,bf16) on GPU 1 at once, the bench's checkpoint; kvbudget (not
 #                                                        in the default) = fp8-e2e-kv split, the KV recalibration on
 #                                                        the whole batch, then on 16k tokens of it
-#   bash scripts/gpu_ray_vllm.sh te-part .carry/te      after the parts: TransformerEngine too (x2's te part)
-#   bash scripts/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
+#   bash experiments/gpu_ray_vllm.sh te-part .carry/te      after the parts: TransformerEngine too (x2's te part)
+#   bash experiments/gpu_ray_vllm.sh poll                    waits again for a run that outlasted one command; call it
 #                                                        at once: the machine goes back 30 s after a call ends, and
 #                                                        the job (and the vLLM setup in /tmp) with it: nothing
 #                                                        between the calls, not even copying the returned files
 #                                                        (each call's stay where it put them; 2026-11-26 a job was
 #                                                        lost that way, halfway through the 8B benchmark)
 # PYTEST (pytest arguments, e.g. GPU test files) runs before the benchmark of run, ipc and overhead, in the same
-# detached job (tests that take the real model need `bash scripts/gpu_engines.sh model-part/model` first).
+# detached job (tests that take the real model need `bash experiments/gpu_engines.sh model-part/model` first).
 # MBT sets the benchmarks' --micro-batch-tokens (default 4096); BENCH_FLAGS adds flags to every benchmark (e.g.
 # "--profile-train": one more step per recipe, its train phase's kernel time by category); TESTS_RAY the Ray/vLLM tests of x2's tests part (its
 # own pytest call, after the trainer's GPU tests (TESTS_TRAINER, default the sharded and offload files); e.g.
@@ -115,7 +115,7 @@ case $step in
   run|ipc|overhead|x2|poll)
     export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     export PYTHONPATH=/tmp/site:$PWD RAY_DEDUP_LOGS=0
-    export FP8RL_MODEL_CACHE=${FP8RL_MODEL_CACHE:-/tmp/models}  # the smollm2 fixture (scripts/gpu_engines.sh model)
+    export FP8RL_MODEL_CACHE=${FP8RL_MODEL_CACHE:-/tmp/models}  # the smollm2 fixture (experiments/gpu_engines.sh model)
     # a new job starts from an empty results folder: a machine handed out again keeps /tmp, and its old files would
     # travel back in results.tar.gz beside the new ones (2026-11-26); poll reads the running job's (KEEP_RES=1 keeps:
     # e.g. COMPILE_8B=auto reading an earlier job's compile_ok). Never under a job that is still running.
@@ -133,10 +133,10 @@ case $step in
     [ -n "${PYTEST:-}" ] && tests="python3 -m pytest -q -p no:cacheprovider $PYTEST > $RES/pytest.log 2>&1; tail -n 3 $RES/pytest.log; "
     if [ "$step" = overhead ]; then
       # PYTEST first, in the same job; --shape llama-8b writes its random checkpoint under /tmp/work/bench-models
-      job="${tests}OUT=$RES FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py ${ARGS:-}"
+      job="${tests}OUT=$RES FP8RL_GPU_WORK=/tmp/work python3 experiments/gpu_vllm_overhead.py ${ARGS:-}"
       # ENGINE_PROCESS_TOO=1: then the same with vLLM's engine core in its own process, results in $RES/engine-process
       [ -n "${ENGINE_PROCESS_TOO:-}" ] && job="$job; mkdir -p $RES/engine-process; \
-        OUT=$RES/engine-process python3 scripts/gpu_vllm_overhead.py ${ARGS:-} --engine-process"
+        OUT=$RES/engine-process python3 experiments/gpu_vllm_overhead.py ${ARGS:-} --engine-process"
     elif [ "$step" = x2 ]; then
       job="nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; true"
       # with te in X2: torch's cuDNN first for TE (TE's README: the image's older one in /usr/lib otherwise wins), in
@@ -174,10 +174,10 @@ case $step in
                    "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
           overhead) A="${ARGS:---variants bf16,fp8-kv --modes fp8rl,neither --long-tokens 0 --profile-tokens 0}"
                  job="$job; echo PART overhead; mkdir -p $RES/overhead/in-process $RES/overhead/engine-process; \
-                   CUDA_VISIBLE_DEVICES=0 OUT=$RES/overhead/in-process python3 scripts/gpu_vllm_overhead.py $A \
+                   CUDA_VISIBLE_DEVICES=0 OUT=$RES/overhead/in-process python3 experiments/gpu_vllm_overhead.py $A \
                       > $RES/overhead/in-process/run.log 2>&1 & \
                    CUDA_VISIBLE_DEVICES=1 OUT=$RES/overhead/engine-process FP8RL_GPU_WORK=/tmp/fp8rl-vllm-ep python3 \
-                      scripts/gpu_vllm_overhead.py $A --engine-process > $RES/overhead/engine-process/run.log 2>&1 & \
+                      experiments/gpu_vllm_overhead.py $A --engine-process > $RES/overhead/engine-process/run.log 2>&1 & \
                    wait; grep -h 'neither\|fp8rl\|FAILED' $RES/overhead/*/run.log | cut -c1-200";;
           fsdp) job="$job; echo PART fsdp; $(bench docs/configs/bench-vllm-ray-fsdp.yaml "${FSDP_RECIPES:-bf16,fp8-e2e}" \
                    $RES/fsdp "${FSDP_SHAPE:-llama-3b}")";;
@@ -204,9 +204,9 @@ case $step in
                  A="--shape llama-8b --modes fp8rl --long-tokens 0 --profile-tokens 128 ${ARGS:-}"
                  job="$job; echo PART rollout8b; mkdir -p $RES/rollout8b/gpu0 $RES/rollout8b/gpu1; \
                    python3 -c 'from fp8rl.models.shapes import make_shape_model as m; m(\"llama-8b\", \"/tmp/work/bench-models/llama-8b\", \"cuda\")'; \
-                   CUDA_VISIBLE_DEVICES=0 OUT=$RES/rollout8b/gpu0 FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py \
+                   CUDA_VISIBLE_DEVICES=0 OUT=$RES/rollout8b/gpu0 FP8RL_GPU_WORK=/tmp/work python3 experiments/gpu_vllm_overhead.py \
                       $A --variants $V0 > $RES/rollout8b/gpu0/run.log 2>&1 & \
-                   CUDA_VISIBLE_DEVICES=1 OUT=$RES/rollout8b/gpu1 FP8RL_GPU_WORK=/tmp/work python3 scripts/gpu_vllm_overhead.py \
+                   CUDA_VISIBLE_DEVICES=1 OUT=$RES/rollout8b/gpu1 FP8RL_GPU_WORK=/tmp/work python3 experiments/gpu_vllm_overhead.py \
                       $A --variants $V1 > $RES/rollout8b/gpu1/run.log 2>&1 & \
                    wait; grep -h 'fp8rl (repeat\|profile\|FAILED\|up in\|checkpoint in' $RES/rollout8b/*/run.log | cut -c1-300";;
           kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml docs/configs/fp8-e2e-kv.yaml \

