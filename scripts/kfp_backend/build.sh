@@ -23,7 +23,8 @@
 # Not built here, and why (scripts/kfp_backend/README.md): the ML Metadata (MLMD) server that the
 # 2.17.0 driver and launcher call is C++ built with Bazel (no Bazel toolchain or its downloads here);
 # scripts/kfp_backend/mlmd_server.py serves the same gRPC service from the ml-metadata wheel of PyPI instead.
-# The database is PostgreSQL from Debian (KFP 2.17.0 speaks mysql or pgx, not SQLite): nothing to build.
+# The database is MariaDB from Debian (KFP 2.17.0 speaks mysql or pgx, not SQLite; its PostgreSQL path fails at
+# start, README.md): nothing to build. The images of the parts that run in pods: images.sh.
 #
 # Builds run with `nice -n 19` and `go -p=1` (2 shared cores). Everything goes to a temporary directory
 # first and is renamed into place only when every binary built: a failure leaves nothing half-built.
