@@ -1,0 +1,45 @@
+"""The Kubernetes objects of the host-process KFP backend (tests/cluster/kfp_backend.py): CPU only."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.kfp_backend import BackendSettings, HostPorts, backend_manifests
+
+
+def _settings(**kw: object) -> BackendSettings:
+    base: dict[str, object] = {"node_ip": "10.0.0.5", "run_namespace": "fp8rl", "s3_access_key": "a",
+                               "s3_secret_key": "b"}  # fmt: skip
+    base.update(kw)
+    return BackendSettings(**base)  # type: ignore[arg-type]
+
+
+def test_services_point_at_the_node_on_kfp_ports() -> None:
+    objs = backend_manifests(_settings())
+    eps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Endpoints"}
+    assert set(eps) == {"ml-pipeline", "metadata-grpc-service", "minio-service"}
+    for ep in eps.values():
+        assert ep["metadata"]["namespace"] == "kubeflow"
+        assert ep["subsets"][0]["addresses"] == [{"ip": "10.0.0.5"}]
+    assert {p["port"] for p in eps["ml-pipeline"]["subsets"][0]["ports"]} == {8887, 8888}
+    svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    assert all("selector" not in s["spec"] for s in svcs.values())
+    assert objs[0] == {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kubeflow"}}
+
+
+def test_run_namespace_gets_secret_launcher_config_and_executor_rights() -> None:
+    objs = backend_manifests(_settings(ports=HostPorts(s3=9333)))
+    in_ns = {(o["kind"], o["metadata"]["name"]): o for o in objs if o["metadata"].get("namespace") == "fp8rl"}
+    assert in_ns[("Secret", "mlpipeline-minio-artifact")]["stringData"] == {"accesskey": "a", "secretkey": "b"}
+    assert in_ns[("ConfigMap", "kfp-launcher")]["data"] == {"defaultPipelineRoot": "minio://mlpipeline/v2/artifacts"}
+    binding = in_ns[("RoleBinding", "fp8rl-kfp-executor")]
+    assert binding["subjects"][0]["name"] == "pipeline-runner"
+    ports = next(o for o in objs if o["kind"] == "Endpoints" and o["metadata"]["name"] == "minio-service")
+    assert ports["subsets"][0]["ports"][0]["port"] == 9333
+
+
+@pytest.mark.parametrize(("kw", "field"), [({"node_ip": "node"}, "node_ip"), ({"run_namespace": ""}, "run_namespace"),
+                                           ({"ports": HostPorts(s3=0)}, "ports.s3")])  # fmt: skip
+def test_bad_settings_name_the_field(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        _settings(**kw)
