@@ -58,7 +58,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from fp8rl.accuracy import PARENT_RUN_ID_FILE, study_dir, study_report
+    from fp8rl.accuracy import PARENT_RUN_ID_FILE, study_dir
+    from fp8rl.accuracy_report import study_report
 
     parent = args.parent_run_id
     if parent is None:

@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8rl.accuracy import (
-    RunRecord,
-    check_targets,
-    common_eval_step,
-    run_record,
-    run_study,
-    study_report,
-    summarize,
-)
+from fp8rl.accuracy import run_study
+from fp8rl.accuracy_report import RunRecord, check_targets, common_eval_step, run_record, study_report, summarize
 from fp8rl.errors import UserError
 
 
