@@ -41,6 +41,7 @@ from fp8rl.quant import QuantizedTensor, quantize_weight
 from fp8rl.rollout import vllm_patches
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales, kv_scale_metrics, timed_calibration
+from fp8rl.rollout.vllm_tp import tp_layout_problem, tp_shard
 from fp8rl.rollout.vllm_weights import (
     Weights,
     fp8_module_names_from_config,
@@ -51,8 +52,6 @@ from fp8rl.rollout.vllm_weights import (
     reload_items,
     row_major,
     serving_checkpoint,
-    tp_layout_problem,
-    tp_shard,
     unfuse_params,
 )
 

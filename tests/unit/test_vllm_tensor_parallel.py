@@ -2,7 +2,7 @@
 
 What runs here: the configuration's checks; the engine arguments; which part of each weight a rank holds and how
 fp8rl reads it back under HF names for the bit-exact sync check (``fused_layout(cfg, tp)``, ``unfuse_params``,
-``tp_shard``) against a rank's parameters built here from vLLM's sharding rules (column-parallel q/k/v and gate/up
+``fp8rl.rollout.vllm_tp.tp_shard``) against a rank's parameters built here from vLLM's sharding rules (column-parallel q/k/v and gate/up
 split by rows and then fused, row-parallel o/down split by columns, vocabulary rows in blocks of the padded
 vocabulary; FP8 bytes and scales split as loaded, never requantized), not from fp8rl's code; the verify that uses
 it; and how the rollout group feeds and reads a tensor-parallel engine's workers.  vLLM itself, the launcher's
@@ -24,6 +24,7 @@ from fp8rl.config import ConfigError, RolloutConfig, load_recipe, parse_run_conf
 from fp8rl.models.tiny import TinyPreset, _config
 from fp8rl.quant import QuantizedTensor, QuantSpec
 from fp8rl.rollout import vllm_engine as ve
+from fp8rl.rollout import vllm_tp as vtp
 from fp8rl.rollout import vllm_weights as vw
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.sync import requantize_for_rollout
@@ -98,16 +99,16 @@ def test_each_rank_reads_back_its_part_of_the_pushed_weights(granularity: str, p
     payload = requantize_for_rollout(hf, fp8, spec)
     tp = 2
     layout = vw.fused_layout(cfg, tp)
-    assert vw.tp_layout_problem(cfg, tp, block_fp8=granularity == "block") is None
+    assert vtp.tp_layout_problem(cfg, tp, block_fp8=granularity == "block") is None
     for rank in range(tp):
         params = _rank_params(payload, cfg, rank, tp, pad_vocab)
         held = vw.unfuse_params(params, layout, cfg["vocab_size"], rank)
         assert set(held) == set(payload)
         padded = params["model.embed_tokens.weight"].shape[0] * tp
-        bad = [n for n in payload if not _same(held[n], vw.tp_shard(n, payload[n], rank, tp, padded))]
+        bad = [n for n in payload if not _same(held[n], vtp.tp_shard(n, payload[n], rank, tp, padded))]
         assert not bad, bad[:4]
     # the parts cover each weight once: the ranks' q rows and o columns together are the whole
-    parts = [vw.tp_shard("model.layers.0.self_attn.o_proj.weight", payload["model.layers.0.self_attn.o_proj.weight"],
+    parts = [vtp.tp_shard("model.layers.0.self_attn.o_proj.weight", payload["model.layers.0.self_attn.o_proj.weight"],
                          r, tp) for r in range(tp)]  # fmt: skip
     whole = payload["model.layers.0.self_attn.o_proj.weight"]
     if isinstance(whole, QuantizedTensor):
@@ -119,15 +120,15 @@ def test_each_rank_reads_back_its_part_of_the_pushed_weights(granularity: str, p
 def test_the_vocabulary_split_needs_the_padded_size() -> None:
     hf, _ = _model()
     with pytest.raises(ValueError, match="padded vocabulary size"):
-        vw.tp_shard("lm_head.weight", hf["lm_head.weight"], 0, 2)
+        vtp.tp_shard("lm_head.weight", hf["lm_head.weight"], 0, 2)
 
 
 def test_layout_problems_name_the_field() -> None:
     _, cfg = _model()
-    assert "num_key_value_heads (4)" in (vw.tp_layout_problem(cfg, 8, block_fp8=False) or "")
-    assert "whole 128-wide block-FP8 tiles" in (vw.tp_layout_problem(cfg, 4, block_fp8=True) or "")
-    assert vw.tp_layout_problem(cfg, 4, block_fp8=False) is None  # per channel: no tile constraint
-    assert vw.tp_layout_problem(cfg, 1, block_fp8=True) is None
+    assert "num_key_value_heads (4)" in (vtp.tp_layout_problem(cfg, 8, block_fp8=False) or "")
+    assert "whole 128-wide block-FP8 tiles" in (vtp.tp_layout_problem(cfg, 4, block_fp8=True) or "")
+    assert vtp.tp_layout_problem(cfg, 4, block_fp8=False) is None  # per channel: no tile constraint
+    assert vtp.tp_layout_problem(cfg, 1, block_fp8=True) is None
 
 
 class _Engine:
@@ -140,7 +141,7 @@ class _Engine:
         return self.held
 
     def expected_shard(self, name: str, value: Any) -> Any:
-        return vw.tp_shard(name, value, self.rank, self.tp, self.padded)
+        return vtp.tp_shard(name, value, self.rank, self.tp, self.padded)
 
 
 def test_verify_compares_each_rank_with_its_part_and_catches_a_wrong_one() -> None:
