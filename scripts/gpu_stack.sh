@@ -37,6 +37,21 @@ pins() {  # pins NAME...: NAME==VERSION from constraints.txt (case-insensitive; 
   done
 }
 
+split_parts() {  # split_parts FILE PREFIX EXTRA: FILE in parts of PART_MB under .carry/PREFIX1..N, each with a manifest
+  local file=$1 prefix=$2 extra=${3:-} size part n sha k p parts
+  size=$(stat -c %s "$file"); part=$(( ${PART_MB:-55} * 1000000 )); n=$(( (size + part - 1) / part ))
+  sha=$(sha256sum "$file" | cut -d' ' -f1); parts=$(mktemp -d)
+  rm -rf ".carry/$prefix"*; split -n "$n" -d -a 2 "$file" "$parts/part."
+  k=1
+  for p in "$parts"/part.*; do
+    mkdir -p ".carry/$prefix$k" && mv "$p" ".carry/$prefix$k/" && echo "$sha $n${extra:+ $extra}" > ".carry/$prefix$k/manifest.txt"
+    k=$((k + 1))
+  done
+  rm -rf "$parts"
+  grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
+  du -sb ".carry/$prefix"*; echo "send .carry/${prefix}1 .. .carry/$prefix$n, one command each, back to back"
+}
+
 case $step in
   pack)
     VLLM_SLIM=${VLLM_SLIM:-${TMPDIR:-/tmp}/vllm_pack/slim.tar.xz}; VLLM_DEPS=${VLLM_DEPS:-.carry/vllm2/deps}
@@ -53,15 +68,7 @@ case $step in
     python3 -m pip wheel -q --no-deps -w "$W/b/extras" "$(pins kfp-server-api)" || exit 3
     cp "$VLLM_SLIM" "$W/b/vllm_slim.tar.xz"
     tar -C "$W/b" -cf "$W/bundle.tar" . || exit 4
-    sha=$(sha256sum "$W/bundle.tar" | cut -d' ' -f1)
-    size=$(stat -c %s "$W/bundle.tar"); part=$(( ${PART_MB:-55} * 1000000 )); n=$(( (size + part - 1) / part ))
-    rm -rf .carry/stack*; split -n "$n" -d -a 2 "$W/bundle.tar" "$W/part."
-    k=1
-    for p in "$W"/part.*; do
-      mkdir -p ".carry/stack$k" && mv "$p" ".carry/stack$k/" && echo "$sha $n" > ".carry/stack$k/manifest.txt"; k=$((k + 1))
-    done
-    grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-    du -sb .carry/stack*; echo "send .carry/stack1 .. .carry/stack$n with 'part', one command each, back to back"
+    split_parts "$W/bundle.tar" stack  # then 'part' for each
     ;;
   part)
     [ -f "$arg/manifest.txt" ] || { echo "gpu_stack: $arg/manifest.txt: no such file (a .carry/stackK of 'pack')"; exit 2; }
@@ -97,17 +104,7 @@ print('IMPORT_OK ray', ray.__version__, 'vllm', vllm.__version__, 'mlflow', mlfl
     ;;
   pack-file)
     [ -f "$arg" ] || { echo "gpu_stack: $arg: no such file"; exit 2; }
-    W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
-    size=$(stat -c %s "$arg"); part=$(( ${PART_MB:-55} * 1000000 )); n=$(( (size + part - 1) / part ))
-    sha=$(sha256sum "$arg" | cut -d' ' -f1); name=$(basename "$arg")
-    rm -rf .carry/file*; split -n "$n" -d -a 2 "$arg" "$W/part."
-    k=1
-    for p in "$W"/part.*; do
-      mkdir -p ".carry/file$k" && mv "$p" ".carry/file$k/" && echo "$sha $n $name" > ".carry/file$k/manifest.txt"
-      k=$((k + 1))
-    done
-    grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-    du -sb .carry/file*; echo "send .carry/file1 .. .carry/file$n with 'file-part', one command each"
+    split_parts "$arg" file "$(basename "$arg")"  # then 'file-part' for each
     ;;
   file-part)
     [ -f "$arg/manifest.txt" ] || { echo "gpu_stack: $arg/manifest.txt: no such file (a .carry/fileK of 'pack-file')"; exit 2; }
