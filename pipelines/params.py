@@ -78,6 +78,18 @@ def parse_params(pipeline_name: str, pipeline: Any, items: Sequence[str]) -> dic
 RECIPE_PARAMS = ("recipe", "recipes", "convert_recipe")
 
 
+def null_path(value: Any, path: str = "") -> str | None:
+    """Where in ``value`` a ``None`` sits (``""`` for ``value`` itself, ``.ray`` / ``[2]`` below it), else ``None``."""
+    if value is None:
+        return path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        found = null_path(child, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
 def check_values(arguments: dict[str, Any]) -> None:
     """Catch what would only fail in a step later: unknown built-in recipe names, an unknown backend.
 
@@ -85,6 +97,13 @@ def check_values(arguments: dict[str, Any]) -> None:
     """
     from fp8rl.config import BUILTIN_RECIPES
 
+    for key, value in arguments.items():
+        where = null_path(value)
+        if where is not None:
+            raise UserError(
+                f"--param {key}{where}: null; a KFP parameter cannot carry a null value: leave the key out "
+                "to take its default"
+            )
     for key in RECIPE_PARAMS:
         values = arguments.get(key)
         for name in values if isinstance(values, list) else [] if values is None else [values]:
