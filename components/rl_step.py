@@ -27,9 +27,9 @@ def rl_step(
 ) -> str:
     """``steps`` RL steps of ``recipe`` (``run_config``: further RunConfig fields) from ``model``; returns the
     recipe's MLflow run id. ``backend``: ``local`` runs the loop on Ray from this process -- a local Ray
-    it starts and stops, or the cluster ``$RAY_ADDRESS`` / ``run_config.ray.address`` names
-    (``run_config={"ray": null}``: in this process, without Ray); ``rayjob`` runs ``fp8rl train`` as a
-    KubeRay RayJob (template ``rayjob_template``) and waits for it."""
+    it starts and stops, or the cluster ``$RAY_ADDRESS`` / ``run_config.ray.address`` names; ``process`` runs
+    it in this process without Ray (on one GPU: the vLLM engine beside the trainer); ``rayjob`` runs
+    ``fp8rl train`` as a KubeRay RayJob (template ``rayjob_template``) and waits for it."""
     from components.runtime import (
         check_backend,
         kfp_tags,
@@ -39,15 +39,18 @@ def rl_step(
         runs_fail_with_the_step,
     )
     from components.runtime import run_config as make_config
+    from fp8rl.errors import UserError
 
     check_backend(backend)
     ref = read_run_ref(mlflow_run)
+    if backend == "process" and "ray" in run_config:
+        raise UserError("run_config.ray: backend 'process' runs without Ray; leave ray out or use backend 'local'")
     if backend == "local" and "ray" not in run_config:
         run_config = {**run_config, "ray": {}}  # RayConfig's defaults: one trainer and one rollout worker
     cfg = make_config(recipe, steps, seed, run_config, ref)
     tags = kfp_tags(pipeline_name, kfp_run_id, "rl-step")
     with runs_fail_with_the_step(ref, "rl-step", recipe, seed):
-        if backend == "local":
+        if backend in ("local", "process"):
             from fp8rl.experiment import tracked_run
 
             run = tracked_run(cfg, model.path, parent_run_id=ref.run_id, output_dir=trained.path, tags=tags)

@@ -33,7 +33,7 @@ TAG_KFP_RUN_ID = "kfp.run_id"
 TAG_KFP_RUN_NAME = "kfp.run_name"
 TAG_KFP_PIPELINE = "kfp.pipeline"
 TAG_KFP_COMPONENT = "kfp.component"
-BACKENDS = ("local", "rayjob")
+BACKENDS = ("local", "process", "rayjob")  # the RL step: a local Ray, the step's own process, a RayJob
 
 
 @dataclass(frozen=True)
