@@ -2,7 +2,7 @@
 
 The embedded default: every step is the same lightweight component as on Kubeflow Pipelines,
 run as a subprocess of this Python (``use_venv=False``: no per-step pip installs); kfp.local
-ignores the Kubernetes settings. The RL step runs in its step's process (``backend=local``),
+ignores the Kubernetes settings. The RL step runs on a local Ray it starts (``backend=local``),
 MLflow is ``$MLFLOW_TRACKING_URI`` or ``<work_dir>/mlflow.db``, and step outputs go under
 ``<work_dir>/kfp-local/``. Recipes run one after the other (``LOCAL_PARALLELISM``).
 

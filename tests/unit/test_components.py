@@ -46,13 +46,13 @@ from fp8rl.models.loading import UnsupportedModelError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
-# "ray": None keeps the RL step in the test's process; the default (local Ray) runs in tests/integration/test_pipeline_local.py
+# backend="process" keeps the RL step in the test's process; the default (local Ray) runs in
+# tests/integration/test_pipeline_local.py
 RUN_CONFIG = {
     "grpo": {"prompts_per_step": 2, "group_size": 2},
     "eval_examples": 8,
     "eval_samples": 1,
     "eval_every": 1,
-    "ray": None,
 }
 KFP_RUN = "0f1e2d3c-kfp-run"
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -213,7 +213,7 @@ def test_rl_evaluate_benchmark_compare(tracking: Artifact, tmp_path: Path, tiny_
         trained, metrics = art(Model, tmp_path, f"trained-{recipe}"), art(Metrics, tmp_path, f"rl-{recipe}")
         run_id = rl_step.python_func(
             model=model, mlflow_run=tracking, recipe=recipe, steps=1, pipeline_name="p", kfp_run_id=KFP_RUN,
-            trained=trained, metrics=metrics, backend="local", **common,
+            trained=trained, metrics=metrics, backend="process", **common,
         )  # fmt: skip
         assert (tmp_path / f"trained-{recipe}" / "model.safetensors").is_file()
         assert {"summary/final_accuracy", "summary/mean_token_mult_prob_error"} <= set(metrics.metadata)
@@ -283,11 +283,20 @@ def test_benchmark_without_a_run_makes_a_child_run(
 
 
 def test_rl_step_refuses_an_unknown_backend(tracking: Artifact, tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"backend: expected one of \['local', 'rayjob'\], got 'slurm'"):
+    with pytest.raises(UserError, match=r"backend: expected one of \['local', 'process', 'rayjob'\], got 'slurm'"):
         rl_step.python_func(
             model=art(Model, tmp_path, "m"), mlflow_run=tracking, recipe="bf16", steps=1, seed=0, run_config={},
             pipeline_name="p", kfp_run_id="r", trained=art(Model, tmp_path, "t"), metrics=art(Metrics, tmp_path, "x"),
             backend="slurm",
+        )  # fmt: skip
+
+
+def test_rl_step_process_backend_refuses_ray_settings(tracking: Artifact, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="run_config.ray: backend 'process' runs without Ray"):
+        rl_step.python_func(
+            model=art(Model, tmp_path, "m"), mlflow_run=tracking, recipe="bf16", steps=1, seed=0,
+            run_config={"ray": {"trainer_workers": 1}}, pipeline_name="p", kfp_run_id="r",
+            trained=art(Model, tmp_path, "t"), metrics=art(Metrics, tmp_path, "x"), backend="process",
         )  # fmt: skip
 
 

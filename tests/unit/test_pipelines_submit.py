@@ -213,7 +213,9 @@ def test_http_errors_count_as_reachable(kfp_api: tuple[str, list[dict[str, Any]]
         (["recipe-comparison", "--param", "recipes=[bf16"], "expected list"),
         (["recipe-comparison", "--param", "recipes=bf16,fp9"], "--param recipes: unknown recipe 'fp9'"),
         (["fp8-rl", "--param", "recipe=fp8"], "--param recipe: unknown recipe 'fp8'"),
-        (["fp8-rl", "--param", "backend=slurm"], "--param backend: expected local or rayjob, got 'slurm'"),
+        (["fp8-rl", "--param", "backend=slurm"], "--param backend: expected local or process or rayjob, got 'slurm'"),
+        (["fp8-rl", "--param", 'run_config={"ray": null}'], "--param run_config.ray: null; a KFP parameter cannot"),
+        (["recipe-comparison", "--param", "recipes=[bf16, null]"], "--param recipes[1]: null"),
     ],
 )
 def test_bad_input_is_named_and_exits_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
