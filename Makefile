@@ -10,7 +10,7 @@ WORK ?= work
 # the cluster tests (scripts/k8s_control_plane.sh): built from Go modules, cached
 K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 
-.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down clean
+.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -55,6 +55,20 @@ cluster-up: k8s-tools node-deps
 
 cluster-down:
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down
+
+# The users' whole path on a real KFP backend (scripts/kfp_backend/README.md; needs its build in the tools cache):
+# a fresh cluster with the component image and KFP's driver, launcher and argoexec images, the backend as host
+# processes, the chart, and the three pipelines submitted with `pipelines.submit --wait` on CPU settings. Prints
+# `E2E OK kfp-run=<id> mlflow-parent=<id>` last; leaves the cluster up (`make cluster-down`). Root.
+KFP_IMAGES := localhost/fp8rl-kfp-driver:2.17.0 localhost/fp8rl-kfp-launcher:2.17.0 localhost/fp8rl-argoexec:v4.0.5
+e2e: k8s-tools node-deps images
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/kfp_backend/images.sh
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py --down
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py up \
+	  --image localhost/$$($(BIN)/python -c 'from components.images import COMPONENT_IMAGE as i; print(i)') \
+	  $(addprefix --image ,$(KFP_IMAGES))
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py
 
 # --durations: the slowest tests, printed by every run (what CI's time goes to). The cluster and image tiers run in a
 # second pytest process beside the rest (scripts/pytest_tiers.sh); `$(BIN)/python -m pytest` runs everything in one.

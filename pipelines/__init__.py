@@ -14,16 +14,21 @@ from typing import Any
 PIPELINE_NAMES = ("fp8-rl", "recipe-comparison", "fp8-benchmark")
 
 
-def get_pipelines(parallelism: int = 0, retries: int | None = None) -> dict[str, Any]:
+def get_pipelines(
+    parallelism: int = 0, retries: int | None = None, medium: Any = None, gpus: bool = True
+) -> dict[str, Any]:
     """``{name: pipeline}`` (KFP ``GraphComponent``s) with at most ``parallelism`` recipes at a time (0: no
     limit, as compiled for a cluster; local runs use 1) and ``retries`` per failed step (default
-    ``pipelines.cluster.DEFAULT_RETRIES``; local runs use 0). Importing them imports kfp and the components."""
+    ``pipelines.cluster.DEFAULT_RETRIES``; local runs use 0), and ``medium`` (a ``StepSize``, default
+    ``STEP_SIZES["medium"]``) as the requests of the steps that hold a model; ``gpus=False`` for a cluster without
+    GPUs (the GPU steps request none, at the medium size). Importing them imports kfp and the components."""
     from pipelines import fp8_benchmark, fp8_rl, recipe_comparison
-    from pipelines.cluster import DEFAULT_RETRIES
+    from pipelines.cluster import DEFAULT_RETRIES, STEP_SIZES
 
     r = DEFAULT_RETRIES if retries is None else retries
+    m = STEP_SIZES["medium"] if medium is None else medium
     return {
-        fp8_rl.NAME: fp8_rl.build(r),
-        recipe_comparison.NAME: recipe_comparison.build(parallelism, r),
-        fp8_benchmark.NAME: fp8_benchmark.build(parallelism, r),
+        fp8_rl.NAME: fp8_rl.build(r, m, gpus),
+        recipe_comparison.NAME: recipe_comparison.build(parallelism, r, m, gpus),
+        fp8_benchmark.NAME: fp8_benchmark.build(parallelism, r, m, gpus),
     }

@@ -17,6 +17,7 @@ Secrets reach the steps only as environment variables from Kubernetes Secrets, n
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,18 @@ class StepSize:
     memory: str
 
 
+def parse_step_size(text: str) -> StepSize:
+    """``"CPU,MEMORY"`` (Kubernetes quantities, e.g. ``"500m,2Gi"``) -> ``StepSize``; ``ValueError`` naming the part."""
+    cpu, sep, memory = (part.strip() for part in text.partition(","))
+    if not sep:
+        raise ValueError(f"{text!r}: expected CPU,MEMORY (e.g. 500m,2Gi)")
+    if not re.fullmatch(r"\d+(\.\d+)?m?", cpu):
+        raise ValueError(f"{text!r}: CPU {cpu!r} is not a Kubernetes CPU quantity (e.g. 2, 0.5, 500m)")
+    if not re.fullmatch(r"\d+(\.\d+)?([KMGTPE]i?|[kmgtpe])?", memory):
+        raise ValueError(f"{text!r}: memory {memory!r} is not a Kubernetes memory quantity (e.g. 8Gi, 512Mi)")
+    return StepSize(cpu, memory)
+
+
 STEP_SIZES = {
     "small": StepSize("500m", "1Gi"),  # MLflow bookkeeping and the report: start/end tracking, compare
     "medium": StepSize("2", "8Gi"),  # a checkpoint in host memory: prepare, SFT, convert, the RL step's driver
@@ -69,6 +82,8 @@ class ClusterRefs:
     mlflow_secret: Any
     hf_secret: Any
     retries: int = DEFAULT_RETRIES
+    medium: StepSize = STEP_SIZES["medium"]  # the requests of the steps that hold a model (a compile option)
+    gpus: bool = True  # False: a cluster without GPUs; the GPU steps run on CPU nodes at the medium size
 
 
 # the env the RL step reads its pod's identity from (fp8rl.kube.rl_step.owner_pod_reference)
@@ -85,14 +100,17 @@ def on_cluster(
     hf_token: bool = False,
     size: str = "small",
 ) -> PipelineTask:
-    """Give ``task`` its CPU and memory requests (``size``: ``STEP_SIZES``; ``gpu`` steps are ``gpu``), the retry
+    """Give ``task`` its CPU and memory requests (``size``: ``STEP_SIZES``, medium's ``refs.medium``; ``gpu`` steps
+    are ``gpu``), the retry
     policy and the data volume, plus: MLflow settings (``tracked``), one GPU and the GPU toleration (``gpu``), the
     RayJob template (``rayjob``), the Hugging Face token (``hf_token``).
 
     Tracked steps write to MLflow, so they are never served from KFP's cache (a cached step would
     hand out another run's MLflow ids).
     """
-    requests = STEP_SIZES["gpu" if gpu else size]
+    if gpu and not refs.gpus:
+        gpu, size = False, "medium"
+    requests = STEP_SIZES["gpu"] if gpu else refs.medium if size == "medium" else STEP_SIZES[size]
     task.set_cpu_request(requests.cpu).set_memory_request(requests.memory)
     if refs.retries:
         task.set_retry(refs.retries, backoff_duration=RETRY_BACKOFF, backoff_max_duration=RETRY_BACKOFF_MAX)

@@ -26,6 +26,10 @@ from fp8rl.errors import UserError
 DEFAULT_OUTPUT_DIR = Path("dist/pipelines")
 
 
+CPU_ONLY_HELP = (
+    "for a cluster without GPUs: the evaluation and benchmark steps request no GPU and run from the component image "
+    "(pair with --param device=cpu)"
+)
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -46,13 +50,14 @@ def parse_digests(specs: Sequence[str]) -> dict[str, str]:
 
 
 def pipeline_ir(
-    pipeline: Any, registry: str | None = None, digests: Mapping[str, str] | None = None
+    pipeline: Any, registry: str | None = None, digests: Mapping[str, str] | None = None, cpu_only: bool = False
 ) -> list[dict[str, Any]]:
     """The compiled IR documents: the pipeline spec and, when a step has Kubernetes settings, the platform spec.
-    The project's images get ``registry/`` in front and, where ``digests`` names them, ``@digest`` for the tag."""
+    The project's images get ``registry/`` in front and, where ``digests`` names them, ``@digest`` for the tag;
+    ``cpu_only``: the GPU steps' runtime image becomes the component image (which carries fp8rl's CPU path)."""
     from kfp import compiler
 
-    from components.images import IMAGES
+    from components.images import COMPONENT_IMAGE, IMAGES, RUNTIME_IMAGE
 
     with tempfile.TemporaryDirectory(prefix="fp8rl-ir-") as tmp:
         path = Path(tmp) / "pipeline.yaml"
@@ -61,6 +66,8 @@ def pipeline_ir(
     prefix = registry.rstrip("/") + "/" if registry else ""
     for executor in docs[0]["deploymentSpec"]["executors"].values():
         container = executor.get("container", {})
+        if cpu_only and container.get("image") == RUNTIME_IMAGE:
+            container["image"] = COMPONENT_IMAGE
         if container.get("image") in IMAGES:
             name = container["image"].split(":")[0]
             digest = (digests or {}).get(name)
@@ -91,20 +98,34 @@ def write_ir(docs: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def medium_step_size(text: str | None) -> Any:
+    """``--step-requests CPU,MEMORY`` -> a ``StepSize`` (``None``: the default); errors name the option."""
+    from pipelines.cluster import parse_step_size
+
+    if text is None:
+        return None
+    try:
+        return parse_step_size(text)
+    except ValueError as e:
+        raise UserError(f"--step-requests {e}") from None
+
+
 def compile_all(
     output_dir: Path,
     names: Sequence[str] = (),
     registry: str | None = None,
     digests: Mapping[str, str] | None = None,
+    step_requests: str | None = None,
+    cpu_only: bool = False,
 ) -> list[Path]:
     from pipelines import get_pipelines
 
-    available = get_pipelines()
+    available = get_pipelines(medium=medium_step_size(step_requests), gpus=not cpu_only)
     unknown = [n for n in names if n not in available]
     if unknown:
         raise UserError(f"unknown pipeline(s) {unknown}; available: {', '.join(available)}")
     return [
-        write_ir(pipeline_ir(available[name], registry, digests), output_dir / f"{name}.yaml")
+        write_ir(pipeline_ir(available[name], registry, digests, cpu_only), output_dir / f"{name}.yaml")
         for name in names or available
     ]
 
@@ -135,6 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "`images/build.sh --push` prints it; repeatable",
     )
     parser.add_argument(
+        "--step-requests",
+        default=None,
+        metavar="CPU,MEMORY",
+        help="requests of the CPU steps that hold a model (prepare, SFT, convert, the RL step's driver; default "
+        "2,8Gi), e.g. 500m,2Gi for small nodes",
+    )
+    parser.add_argument("--cpu-only", action="store_true", help=CPU_ONLY_HELP)
+    parser.add_argument(
         "--components",
         action="store_true",
         help="also every component, as <output-dir>/components/<name>.yaml, to reuse in pipelines of your own",
@@ -142,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         digests = parse_digests(args.digest)
-        paths = compile_all(args.output_dir, args.names, args.registry, digests)
+        paths = compile_all(args.output_dir, args.names, args.registry, digests, args.step_requests, args.cpu_only)
         if args.components:
             paths += compile_components(args.output_dir / "components", args.registry, digests)
         for path in paths:

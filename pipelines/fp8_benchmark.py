@@ -13,14 +13,18 @@ from pipelines.cluster import (
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
     DEFAULT_RETRIES,
+    STEP_SIZES,
     ClusterRefs,
+    StepSize,
     on_cluster,
 )
 
 NAME = "fp8-benchmark"
 
 
-def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
+def build(
+    parallelism: int = 0, retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"], gpus: bool = True
+) -> Any:
     """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
     (``pipelines.get_pipelines``)."""
 
@@ -49,7 +53,7 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
         shape (random weights), steps, batch and run-config settings, ``run_config`` over them.  ``recipes`` empty,
         ``model_source`` empty, ``bench_steps`` 0 and ``warmup_steps`` -1 mean the preset's (without one: bf16,
         fp8-rollout, fp8-e2e; the ``tiny`` model; 5 and 2)."""
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries)
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
             # single-output steps: kfp.local iterates only a pipeline input or a task's one `Output`, and hands a

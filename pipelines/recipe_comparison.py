@@ -14,13 +14,17 @@ from pipelines.cluster import (
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
     DEFAULT_RETRIES,
+    STEP_SIZES,
     ClusterRefs,
+    StepSize,
 )
 
 NAME = "recipe-comparison"
 
 
-def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
+def build(
+    parallelism: int = 0, retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"], gpus: bool = True
+) -> Any:
     """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
     (``pipelines.get_pipelines``)."""
 
@@ -56,7 +60,7 @@ def build(parallelism: int = 0, retries: int = DEFAULT_RETRIES) -> Any:
         recommend the BF16 layers that bring it under ``diagnose_target`` (``fp8rl diagnose``).  It runs beside
         the RL steps (KFP lets no task outside a condition wait on one inside it); its report is advisory.
         """
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries)
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
             warm = stages.warm_up(NAME, stages.prepare(model_source, seed, refs), sft_steps, tracking, refs)

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from fp8rl.errors import UserError
+from pipelines.compile import CPU_ONLY_HELP
 from pipelines.remote import Endpoint, Submission, make_client, submit, wait
 
 HOST_ENV = "KF_PIPELINES_ENDPOINT"  # kfp.Client's own variable
@@ -74,7 +75,7 @@ def submit_to_kfp(args: argparse.Namespace, name: str, pipeline: Any, arguments:
     )  # fmt: skip
     client = make_client(endpoint)
     with tempfile.TemporaryDirectory(prefix="fp8rl-submit-") as tmp:
-        docs = pipeline_ir(pipeline, args.registry, digests)
+        docs = pipeline_ir(pipeline, args.registry, digests, args.cpu_only)
         package = write_ir(disable_caching(docs) if args.caching is False else docs, Path(tmp) / f"{name}.yaml")
         sub = Submission(
             name, package, arguments, args.experiment, args.run_name, args.service_account, args.pipeline_root,
@@ -171,6 +172,9 @@ def _what_options(r: argparse._ArgumentGroup) -> None:
     r.add_argument("--timeout", type=float, default=DEFAULT_WAIT_TIMEOUT_S, help="--wait: seconds (default: 1 day)")
     r.add_argument("--poll", type=float, default=10.0, help=argparse.SUPPRESS)
     r.add_argument("--registry", default=None, help="image registry prefix (as pipelines.compile --registry)")
+    r.add_argument("--step-requests", default=None, metavar="CPU,MEMORY",
+                   help="requests of the steps that hold a model (as pipelines.compile --step-requests)")  # fmt: skip
+    r.add_argument("--cpu-only", action="store_true", help=CPU_ONLY_HELP)
     r.add_argument(
         "--digest",
         action="append",
@@ -182,13 +186,17 @@ def _what_options(r: argparse._ArgumentGroup) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pipelines import get_pipelines
+    from pipelines.compile import medium_step_size
     from pipelines.local import LOCAL_PARALLELISM, LOCAL_RETRIES
     from pipelines.params import check_values, parse_params
 
     args = build_parser().parse_args(argv)
     try:
         local = args.local or not (args.host or args.kube_context or args.in_cluster)
-        available = get_pipelines(*((LOCAL_PARALLELISM, LOCAL_RETRIES) if local else (0, None)))
+        medium = medium_step_size(args.step_requests)
+        available = get_pipelines(
+            *((LOCAL_PARALLELISM, LOCAL_RETRIES) if local else (0, None)), medium, not args.cpu_only
+        )
         if args.pipeline not in available:
             raise UserError(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available)}")
         pipeline = available[args.pipeline]

@@ -39,6 +39,7 @@ class HostPorts:
             "ml-pipeline": [("http", self.api_http), ("grpc", self.api_grpc)],
             "metadata-grpc-service": [("grpc-api", self.mlmd_grpc)],
             "minio-service": [("http", self.s3)],
+            "seaweedfs": [("s3", self.s3)],  # 2.17.0's launcher default for minio:// (KFP ships SeaweedFS)
         }
 
 
@@ -49,6 +50,7 @@ class BackendSettings:
     s3_access_key: str
     s3_secret_key: str
     bucket: str = "mlpipeline"
+    service_account: str = RUNNER_SERVICE_ACCOUNT  # what the runs' pods run as (pipelines.submit --service-account)
     ports: HostPorts = field(default_factory=HostPorts)
 
     def __post_init__(self) -> None:
@@ -56,7 +58,7 @@ class BackendSettings:
             ipaddress.IPv4Address(self.node_ip)
         except ValueError as exc:
             raise ValueError(f"node_ip: not an IPv4 address: {self.node_ip!r}") from exc
-        for name in ("run_namespace", "s3_access_key", "s3_secret_key", "bucket"):
+        for name in ("run_namespace", "s3_access_key", "s3_secret_key", "bucket", "service_account"):
             if not getattr(self, name):
                 raise ValueError(f"{name}: empty")
         for name, value in vars(self.ports).items():
@@ -112,6 +114,6 @@ def backend_manifests(s: BackendSettings) -> list[dict[str, Any]]:
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
         "metadata": _meta("fp8rl-kfp-executor", ns),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "fp8rl-kfp-executor"},
-        "subjects": [{"kind": "ServiceAccount", "name": RUNNER_SERVICE_ACCOUNT, "namespace": ns}],
+        "subjects": [{"kind": "ServiceAccount", "name": s.service_account, "namespace": ns}],
     })  # fmt: skip
     return objs

@@ -327,6 +327,43 @@ def test_every_step_has_cpu_and_memory_requests_and_a_retry(irs: dict[str, list[
     assert not any("retryPolicy" in spec for spec in all_tasks(local).values())
 
 
+def test_step_requests_size_the_steps_that_hold_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--step-requests`` fits the medium steps to small nodes (a 2-core node cannot schedule the default 2 CPUs);
+    the small and GPU steps keep theirs. A bad quantity is named and nothing is written."""
+    assert main(["--output-dir", str(tmp_path), "--step-requests", "250m,1Gi", "fp8-rl"]) == 0
+    ir = list(yaml.safe_load_all((tmp_path / "fp8-rl.yaml").read_text()))
+    for step, container in executors(ir).items():
+        res = container["resources"]
+        want = ("250m", "1Gi") if step in MEDIUM_STEPS else (STEP_SIZES["small"].cpu, STEP_SIZES["small"].memory)
+        if step not in GPU_STEPS:
+            assert (res["resourceCpuRequest"], res["resourceMemoryRequest"]) == want, step
+    assert {s for s in executors(ir) if s in MEDIUM_STEPS}
+    for bad, message in (("2", "expected CPU,MEMORY"), ("2x,1Gi", "CPU '2x'"), ("1,8GB", "memory '8GB'")):
+        assert main(["--output-dir", str(tmp_path / "bad"), "--step-requests", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--step-requests '{bad}': " in err and message in err, err
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("name", PIPELINE_NAMES)
+def test_cpu_only_asks_for_no_gpu(name: str) -> None:
+    """``--cpu-only`` (a cluster without GPUs): the GPU steps request no GPU, tolerate no GPU taint, run from the
+    component image and reserve the medium size; every other step is as compiled for GPUs."""
+    ir = pipeline_ir(get_pipelines(gpus=False)[name], cpu_only=True)
+    text = yaml.safe_dump_all(ir)
+    assert RUNTIME_IMAGE not in text and "nvidia.com/gpu" not in text and "accelerator" not in text
+    medium = STEP_SIZES["medium"]
+    gpu_steps = set(executors(ir)) & GPU_STEPS
+    assert gpu_steps
+    for step in gpu_steps:
+        res = executors(ir)[step]["resources"]
+        assert executors(ir)[step]["image"] == COMPONENT_IMAGE
+        assert (res["resourceCpuRequest"], res["resourceMemoryRequest"]) == (medium.cpu, medium.memory), step
+    full = pipeline_ir(get_pipelines()[name])
+    for step in set(executors(ir)) - GPU_STEPS:
+        assert executors(ir)[step] == executors(full)[step], step
+
+
 def test_compile_cli_writes_every_component_for_reuse(tmp_path: Path) -> None:
     """``--components``: each component's YAML, loadable by kfp and usable in a pipeline of one's own."""
     from kfp import compiler, dsl
