@@ -300,23 +300,87 @@ def install_chart(work: Path) -> dict[str, str]:
             "MLFLOW_TRACKING_PASSWORD": base64.b64decode(secret["data"]["admin-password"]).decode()}  # fmt: skip
 
 
-def submit(pipeline: str, url: str, work: Path) -> str:
-    """``python -m pipelines.submit PIPELINE --wait`` against the API server; returns the KFP run id."""
-    params = work / f"{pipeline}-params.yaml"
-    params.write_text(yaml.safe_dump(PARAMS[pipeline]))
-    argv = [sys.executable, "-m", "pipelines.submit", pipeline, "--host", url, "--param-file", str(params),
-            "--registry", "localhost", "--step-requests", STEP_REQUESTS, "--cpu-only", "--service-account", PIPELINE_SA, "--experiment", "fp8rl-e2e",
-            "--run-name", f"e2e {pipeline}", "--wait", "--timeout", "3600"]  # fmt: skip
+def run_submit(
+    pipeline: str, url: str, work: Path, label: str, extra: list[str], params: dict[str, Any]
+) -> tuple[int, str]:
+    """``python -m pipelines.submit PIPELINE`` against the API server as a user of a GPU-less cluster runs it;
+    returns (exit status, output), the output also in ``<work>/submit-<label>.log``."""
+    param_file = work / f"{label}-params.yaml"
+    param_file.write_text(yaml.safe_dump(params))
+    argv = [sys.executable, "-m", "pipelines.submit", pipeline, "--host", url, "--param-file", str(param_file),
+            "--registry", "localhost", "--step-requests", STEP_REQUESTS, "--cpu-only", "--service-account",
+            PIPELINE_SA, "--experiment", "fp8rl-e2e", "--run-name", f"e2e {label}", *extra]  # fmt: skip
     say(" ".join(argv[1:]))
-    log = work / f"submit-{pipeline}.log"
-    with log.open("w") as f:
-        done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        f.write(done.stdout)
+    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (work / f"submit-{label}.log").write_text(done.stdout)
     print(done.stdout, end="", flush=True)
-    found = re.search(r"\(run ([0-9a-f-]{36})\)", done.stdout)
-    if done.returncode or not found:
-        raise SystemExit(f"e2e: {pipeline}: pipelines.submit exited {done.returncode} (log {log})")
-    return found.group(1)
+    return done.returncode, done.stdout
+
+
+def run_id_of(output: str) -> str | None:
+    found = re.search(r"\(run ([0-9a-f-]{36})\)", output)
+    return found.group(1) if found else None
+
+
+def submit(pipeline: str, url: str, work: Path) -> str:
+    """``pipelines.submit PIPELINE --wait``; returns the KFP run id of the SUCCEEDED run."""
+    rc, out = run_submit(pipeline, url, work, pipeline, ["--wait", "--timeout", "3600"], PARAMS[pipeline])
+    run_id = run_id_of(out)
+    if rc or not run_id:
+        raise SystemExit(f"e2e: {pipeline}: pipelines.submit exited {rc} (log {work}/submit-{pipeline}.log)")
+    return run_id
+
+
+def check_submit_tool(url: str, work: Path) -> None:
+    """What a KFP user does beside a run, against the real API server: ``--upload`` of a pipeline and then of a new
+    version, each with a recurring run (``--schedule``) that the ScheduledWorkflow controller takes up; ``--wait`` on
+    a run whose step fails exits 1 naming the step; cancelling a run stops its RayJob."""
+    import kfp
+
+    client = kfp.Client(host=url)
+    name = "fp8rl-e2e-upload"
+    for version in ("v1", "v2"):
+        rc, out = run_submit("fp8-rl", url, work, f"upload-{version}", ["--upload", "--pipeline-name", name,
+                             "--version-name", version, "--schedule", "0 3 * * *"], PARAMS["fp8-rl"])  # fmt: skip
+        if rc:
+            raise SystemExit(f"e2e: --upload --schedule ({version}): pipelines.submit exited {rc}")
+    pipeline_id = client.get_pipeline_id(name)
+    versions = {v.display_name for v in client.list_pipeline_versions(pipeline_id).pipeline_versions or []}
+    recurring = [r for r in client.list_recurring_runs(page_size=50).recurring_runs or []
+                 if r.pipeline_version_reference and r.pipeline_version_reference.pipeline_id == pipeline_id]  # fmt: skip
+    if not {"v1", "v2"} <= versions or len(recurring) != 2:
+        raise SystemExit(
+            f"e2e: --upload: versions {sorted(versions)}, {len(recurring)} recurring runs (want v1, v2; 2)"
+        )
+    swfs = wait_for("the ScheduledWorkflows of the recurring runs", lambda: [
+        w for w in json.loads(kubectl("get", "scheduledworkflows", "-n", KUBEFLOW_NAMESPACE, "-o", "json").stdout)["items"]
+        if w.get("status", {}).get("conditions")], 60)  # fmt: skip
+    for r in recurring:
+        client.delete_recurring_run(r.recurring_run_id)
+    say(f"OK --upload: pipeline {name!r} versions v1, v2; 2 recurring runs, {len(swfs)} ScheduledWorkflow(s) "
+        "reconciled; deleted")  # fmt: skip
+
+    rc, out = run_submit("fp8-rl", url, work, "failing", ["--wait", "--timeout", "900"],
+                         {**PARAMS["fp8-rl"], "model_source": "no-such-model"})  # fmt: skip
+    if rc != 1 or "prepare" not in out.split("pipelines.submit: run", 1)[-1]:
+        raise SystemExit(f"e2e: a failing run: want exit 1 naming the prepare-model step, got {rc}")
+    say("OK --wait on a failing run: exit 1, the failed step named")
+
+    rc, out = run_submit("fp8-rl", url, work, "cancelled", [], PARAMS["fp8-rl"])
+    run_id = run_id_of(out)
+    if rc or not run_id:
+        raise SystemExit(f"e2e: a run to cancel: pipelines.submit exited {rc}")
+
+    def rayjobs() -> list[str]:
+        got = json.loads(kubectl("get", "rayjobs", "-n", KUBEFLOW_NAMESPACE, "-o", "json").stdout)["items"]
+        return [j["metadata"]["name"] for j in got]
+
+    jobs = wait_for("the run's RayJob", rayjobs, 900)
+    client.terminate_run(run_id)
+    t0 = time.monotonic()
+    wait_for("no RayJob and no Ray pod after the cancel", lambda: not rayjobs() and not kubectl(
+        "get", "pods", "-n", KUBEFLOW_NAMESPACE, "-l", "ray.io/cluster", "-o", "name").stdout.strip(), 180)  # fmt: skip
+    say(f"OK cancelling run {run_id} deleted its RayJob {jobs} and Ray pods in {time.monotonic() - t0:.0f} s")
 
 
 def check_mlflow(kfp_run: str, mlflow_env: dict[str, str]) -> tuple[str, int]:
@@ -342,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"which, in order (default {','.join(PIPELINES)})")
     p.add_argument("--keep", action="store_true", help="leave the backend and the release running")
+    p.add_argument(
+        "--no-checks",
+        dest="checks",
+        action="store_false",
+        help="skip the submit tool's checks after the pipelines (upload, schedule, failing run, cancel)",
+    )
     p.add_argument("--down", action="store_true", help="stop what a --keep run left, and uninstall its release")
     args = p.parse_args(argv)
     if args.down:
@@ -377,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             line = f"kfp-run={run_id} mlflow-parent={parent}"
             say(f"OK {pipeline} {line} ({children} child runs FINISHED, {time.monotonic() - t0:.0f} s)")
             lines.append((pipeline, line))
+        if args.checks:
+            check_submit_tool(url, work)
         say(f"all in {time.monotonic() - t_all:.0f} s")
         print(f"E2E OK {dict(lines).get('recipe-comparison', lines[-1][1])}", flush=True)
         return 0

@@ -17,7 +17,8 @@ def _settings(**kw: object) -> BackendSettings:
 def test_services_point_at_the_node_on_kfp_ports() -> None:
     objs = backend_manifests(_settings())
     eps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Endpoints"}
-    assert set(eps) == {"ml-pipeline", "metadata-grpc-service", "minio-service"}
+    # seaweedfs: where KFP 2.17.0's launcher sends minio:// artifacts by default
+    assert set(eps) == {"ml-pipeline", "metadata-grpc-service", "minio-service", "seaweedfs"}
     for ep in eps.values():
         assert ep["metadata"]["namespace"] == "kubeflow"
         assert ep["subsets"][0]["addresses"] == [{"ip": "10.0.0.5"}]
@@ -34,12 +35,15 @@ def test_run_namespace_gets_secret_launcher_config_and_executor_rights() -> None
     assert in_ns[("ConfigMap", "kfp-launcher")]["data"] == {"defaultPipelineRoot": "minio://mlpipeline/v2/artifacts"}
     binding = in_ns[("RoleBinding", "fp8rl-kfp-executor")]
     assert binding["subjects"][0]["name"] == "pipeline-runner"
+    chart_sa = backend_manifests(_settings(service_account="rl-fp8rl-pipeline"))
+    assert next(o for o in chart_sa if o["kind"] == "RoleBinding")["subjects"][0]["name"] == "rl-fp8rl-pipeline"
     ports = next(o for o in objs if o["kind"] == "Endpoints" and o["metadata"]["name"] == "minio-service")
     assert ports["subsets"][0]["ports"][0]["port"] == 9333
 
 
 @pytest.mark.parametrize(("kw", "field"), [({"node_ip": "node"}, "node_ip"), ({"run_namespace": ""}, "run_namespace"),
-                                           ({"ports": HostPorts(s3=0)}, "ports.s3")])  # fmt: skip
+                                           ({"ports": HostPorts(s3=0)}, "ports.s3"),
+                                           ({"service_account": ""}, "service_account")])  # fmt: skip
 def test_bad_settings_name_the_field(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         _settings(**kw)
