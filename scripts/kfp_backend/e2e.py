@@ -250,23 +250,26 @@ def start_backend(procs: Processes, work: Path, node_ip: str) -> str:
         KFP_BIN / "persistence_agent", f"--kubeconfig={KUBECONFIG}", f"--namespace={KUBEFLOW_NAMESPACE}",
         "--mlPipelineAPIServerName=127.0.0.1", f"--mlPipelineServiceHttpPort={ports.api_http}",
         f"--mlPipelineServiceGRPCPort={ports.api_grpc}", "--logLevel=info",
-    ], token, agent_token))  # fmt: skip
-    time.sleep(3)
-    if proc.poll() is not None:
-        raise SystemExit(f"e2e: the persistence agent exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+    ], token, agent_token), env)  # fmt: skip
+    watched = [("the persistence agent", proc, log)]
     proc, log = procs.start("scheduledworkflow", [
         KFP_BIN / "scheduledworkflow", f"--kubeconfig={KUBECONFIG}", f"--namespace={KUBEFLOW_NAMESPACE}",
         "--mlPipelineAPIServerName=127.0.0.1", f"--mlPipelineServiceGRPCPort={ports.api_grpc}",
         "--metricsPort=18902",
     ], env)  # fmt: skip
+    watched.append(("the ScheduledWorkflow controller", proc, log))
     proc, log = procs.start("workflow-controller", [
         KFP_BIN / "workflow-controller", f"--kubeconfig={KUBECONFIG}", "--namespaced",
         f"--managed-namespace={KUBEFLOW_NAMESPACE}", "-n", KUBEFLOW_NAMESPACE, f"--executor-image={EXECUTOR_IMAGE}",
         "--executor-image-pull-policy=IfNotPresent",
-    ], {"LEADER_ELECTION_IDENTITY": "fp8rl-e2e", "LEADER_ELECTION_DISABLE": "true"})  # fmt: skip
-    time.sleep(3)
-    if proc.poll() is not None:
-        raise SystemExit(f"e2e: Argo's workflow-controller exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+    ], {**env, "LEADER_ELECTION_IDENTITY": "fp8rl-e2e", "LEADER_ELECTION_DISABLE": "true"})  # fmt: skip
+    watched.append(("Argo's workflow-controller", proc, log))
+    # they log and exit when something is missing (the persistence agent builds parts of its client from
+    # $KUBECONFIG, not its --kubeconfig): give them the time to, then check that each is still up
+    time.sleep(10)
+    for what, proc, log in watched:
+        if proc.poll() is not None:
+            raise SystemExit(f"e2e: {what} exited ({proc.returncode}); its log {log}:\n{log.read_text()[-3000:]}")
     say("persistence agent, ScheduledWorkflow controller and Argo's workflow-controller started")
     return url
 
