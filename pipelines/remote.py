@@ -214,7 +214,11 @@ def upload(client: Any, sub: Submission) -> tuple[str, str]:
         pipeline_id = client.upload_pipeline(str(sub.package), pipeline_name=name).pipeline_id
         versions = client.list_pipeline_versions(pipeline_id, page_size=1, sort_by="created_at desc")
         version_id = versions.pipeline_versions[0].pipeline_version_id
-        print(f"uploaded pipeline {name!r} ({pipeline_id})")
+        # KFP's upload names a new pipeline's first version after the pipeline and takes no version name
+        named = (
+            f"; its first version is named {name!r} (--version-name names the later ones)" if sub.version_name else ""
+        )
+        print(f"uploaded pipeline {name!r} ({pipeline_id}){named}")
     else:
         made = client.upload_pipeline_version(str(sub.package), pipeline_version_name=version, pipeline_id=pipeline_id)
         version_id = made.pipeline_version_id

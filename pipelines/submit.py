@@ -162,7 +162,12 @@ def _what_options(r: argparse._ArgumentGroup) -> None:
     r.add_argument("--upload", action="store_true", help="upload the pipeline (a new version when it exists) and run "
                    "that version")  # fmt: skip
     r.add_argument("--pipeline-name", default=None, help="--upload: the pipeline's name (default: PIPELINE)")
-    r.add_argument("--version-name", default=None, help="--upload: the new version's name (default: <name>-<time>)")
+    r.add_argument(
+        "--version-name",
+        default=None,
+        help="--upload: the new version's name (default: <name>-<time>); KFP names a new pipeline's "
+        "first version after the pipeline",
+    )
     r.add_argument("--schedule", default=None, metavar="CRON", help="a recurring run on this cron schedule instead "
                    "of one run ('0 3 * * *': 03:00 daily; 6 fields: seconds first)")  # fmt: skip
     r.add_argument("--max-concurrency", type=int, default=1, help="--schedule: runs at once (default: 1)")

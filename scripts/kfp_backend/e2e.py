@@ -351,16 +351,16 @@ def check_submit_tool(url: str, work: Path) -> None:
     versions = {v.display_name for v in client.list_pipeline_versions(pipeline_id).pipeline_versions or []}
     recurring = [r for r in client.list_recurring_runs(page_size=50).recurring_runs or []
                  if r.pipeline_version_reference and r.pipeline_version_reference.pipeline_id == pipeline_id]  # fmt: skip
-    if not {"v1", "v2"} <= versions or len(recurring) != 2:
-        raise SystemExit(
-            f"e2e: --upload: versions {sorted(versions)}, {len(recurring)} recurring runs (want v1, v2; 2)"
-        )
+    # KFP names a new pipeline's first version after the pipeline; --version-name names the later ones
+    if versions != {name, "v2"} or len(recurring) != 2:
+        raise SystemExit(f"e2e: --upload: versions {sorted(versions)}, {len(recurring)} recurring runs "
+                         f"(want {name!r} and 'v2'; 2)")  # fmt: skip
     swfs = wait_for("the ScheduledWorkflows of the recurring runs", lambda: [
         w for w in json.loads(kubectl("get", "scheduledworkflows", "-n", KUBEFLOW_NAMESPACE, "-o", "json").stdout)["items"]
         if w.get("status", {}).get("conditions")], 60)  # fmt: skip
     for r in recurring:
         client.delete_recurring_run(r.recurring_run_id)
-    say(f"OK --upload: pipeline {name!r} versions v1, v2; 2 recurring runs, {len(swfs)} ScheduledWorkflow(s) "
+    say(f"OK --upload: pipeline {name!r} versions {name!r}, 'v2'; 2 recurring runs, {len(swfs)} ScheduledWorkflow(s) "
         "reconciled; deleted")  # fmt: skip
 
     rc, out = run_submit("fp8-rl", url, work, "failing", ["--wait", "--timeout", "900"],
@@ -453,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.checks:
             check_submit_tool(url, work)
         say(f"all in {time.monotonic() - t_all:.0f} s")
-        print(f"E2E OK {dict(lines).get('recipe-comparison', lines[-1][1])}", flush=True)
+        if lines:
+            print(f"E2E OK {dict(lines).get('recipe-comparison', lines[-1][1])}", flush=True)
         return 0
     finally:
         if args.keep:
