@@ -10,6 +10,7 @@ the in-cluster service with the pod's projected ServiceAccount token (``kfp.clie
 from __future__ import annotations
 
 import os
+import re
 import ssl
 import time
 import urllib.error
@@ -295,8 +296,27 @@ def failed_tasks(run: Any) -> list[str]:
     tasks = list(getattr(details, "task_details", None) or [])
     failed = [t for t in tasks if str(t.state) == "FAILED"]
     leaves = [t for t in failed if not t.child_tasks] or failed
+    by_id = {getattr(t, "task_id", None): t for t in tasks}
     out = []
     for t in leaves:
         message = getattr(t.error, "message", None) if t.error else None
-        out.append(f"{t.display_name}: {message}" if message else str(t.display_name))
+        name = step_name(t, by_id)
+        out.append(f"{name}: {message}" if message else name)
     return out
+
+
+# what a KFP backend reports for the Argo nodes inside a step: its pod (one per attempt) and its driver
+ARGO_NODE = re.compile(r"executor(\(\d+\))?|.*-driver|retry-.*")
+
+
+def step_name(task: Any, by_id: Mapping[Any, Any]) -> str:
+    """The pipeline step a failed task belongs to: a real backend names the failed pod ``executor(0)`` (the
+    attempt), whose parents lead to the step's own name (``prepare-model``); the attempt is kept in brackets."""
+    name = str(task.display_name)
+    if not ARGO_NODE.fullmatch(name):
+        return name
+    parent, seen = by_id.get(getattr(task, "parent_task_id", None)), set()
+    while parent is not None and id(parent) not in seen and ARGO_NODE.fullmatch(str(parent.display_name)):
+        seen.add(id(parent))
+        parent = by_id.get(getattr(parent, "parent_task_id", None))
+    return f"{parent.display_name} ({name})" if parent is not None else name

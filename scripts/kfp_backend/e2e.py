@@ -366,7 +366,10 @@ def check_submit_tool(url: str, work: Path) -> None:
     rc, out = run_submit("fp8-rl", url, work, "failing", ["--wait", "--timeout", "900"],
                          {**PARAMS["fp8-rl"], "model_source": "no-such-model"})  # fmt: skip
     if rc != 1 or "prepare" not in out.split("pipelines.submit: run", 1)[-1]:
-        raise SystemExit(f"e2e: a failing run: want exit 1 naming the prepare-model step, got {rc}")
+        failed = run_id_of(out)
+        tree = [(t.display_name, t.task_id, t.parent_task_id, str(t.state)) for t in
+                (client.get_run(failed).run_details.task_details or [])] if failed else []  # fmt: skip
+        raise SystemExit(f"e2e: a failing run: want exit 1 naming the prepare-model step, got {rc}; tasks {tree}")
     say("OK --wait on a failing run: exit 1, the failed step named")
 
     rc, out = run_submit("fp8-rl", url, work, "cancelled", [], PARAMS["fp8-rl"])

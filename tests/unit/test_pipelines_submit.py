@@ -507,3 +507,22 @@ def test_a_private_ca_endpoint_is_reached_with_its_ca(
     assert main(["fp8-rl", "--host", host, "--ssl-ca-cert", str(ca)]) == 0
     assert f"https://{host}/#/runs/details/{RUN_ID}" in capsys.readouterr().out
     assert _runs(FakeKfpApi.calls)
+
+
+def test_a_failed_attempt_is_named_by_its_step() -> None:
+    """A real KFP 2.17 backend reports the failed pod as ``executor(0)`` under the step's own task (seen on a real
+    backend: ``FAILED: executor(0)``); the message names the step, the attempt in brackets."""
+    from types import SimpleNamespace as NS
+
+    from pipelines.remote import failed_tasks
+
+    def task(tid: str, name: str, parent: str | None, children: bool, error: str | None = None) -> NS:
+        return NS(task_id=tid, display_name=name, parent_task_id=parent, state="FAILED",
+                  child_tasks=[1] if children else [], error=NS(message=error) if error else None)  # fmt: skip
+
+    tasks = [task("root", "fp8-rl", None, True), task("dag", "exit-handler-1", "root", True),
+             task("step", "prepare model", "dag", True), task("retry", "retry-system-container-impl", "step", True),
+             task("pod", "executor(0)", "retry", False, "exit status 1")]  # fmt: skip
+    assert failed_tasks(NS(run_details=NS(task_details=tasks))) == ["prepare model (executor(0)): exit status 1"]
+    orphan = [task("pod", "executor(1)", "gone", False)]
+    assert failed_tasks(NS(run_details=NS(task_details=orphan))) == ["executor(1)"]
