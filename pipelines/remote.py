@@ -297,10 +297,12 @@ def failed_tasks(run: Any) -> list[str]:
     failed = [t for t in tasks if str(t.state) == "FAILED"]
     leaves = [t for t in failed if not t.child_tasks] or failed
     by_id = {getattr(t, "task_id", None): t for t in tasks}
+    # a real backend leaves parent_task_id empty and links a task to its children (child_tasks[].task_id)
+    parents = {getattr(c, "task_id", None): t for t in tasks for c in (t.child_tasks or [])}
     out = []
     for t in leaves:
         message = getattr(t.error, "message", None) if t.error else None
-        name = step_name(t, by_id)
+        name = step_name(t, by_id, parents)
         out.append(f"{name}: {message}" if message else name)
     return out
 
@@ -309,14 +311,18 @@ def failed_tasks(run: Any) -> list[str]:
 ARGO_NODE = re.compile(r"executor(\(\d+\))?|.*-driver|retry-.*")
 
 
-def step_name(task: Any, by_id: Mapping[Any, Any]) -> str:
+def step_name(task: Any, by_id: Mapping[Any, Any], parents: Mapping[Any, Any] | None = None) -> str:
     """The pipeline step a failed task belongs to: a real backend names the failed pod ``executor(0)`` (the
     attempt), whose parents lead to the step's own name (``prepare-model``); the attempt is kept in brackets."""
+
+    def parent_of(t: Any) -> Any:
+        return (parents or {}).get(getattr(t, "task_id", None)) or by_id.get(getattr(t, "parent_task_id", None))
+
     name = str(task.display_name)
     if not ARGO_NODE.fullmatch(name):
         return name
-    parent, seen = by_id.get(getattr(task, "parent_task_id", None)), set()
+    parent, seen = parent_of(task), set()
     while parent is not None and id(parent) not in seen and ARGO_NODE.fullmatch(str(parent.display_name)):
         seen.add(id(parent))
-        parent = by_id.get(getattr(parent, "parent_task_id", None))
+        parent = parent_of(parent)
     return f"{parent.display_name} ({name})" if parent is not None else name

@@ -524,5 +524,10 @@ def test_a_failed_attempt_is_named_by_its_step() -> None:
              task("step", "prepare model", "dag", True), task("retry", "retry-system-container-impl", "step", True),
              task("pod", "executor(0)", "retry", False, "exit status 1")]  # fmt: skip
     assert failed_tasks(NS(run_details=NS(task_details=tasks))) == ["prepare model (executor(0)): exit status 1"]
+    # as KFP 2.17.0 reports it: no parent ids, each task listing its children (seen on the real backend)
+    linked = [NS(task_id=t.task_id, display_name=t.display_name, parent_task_id=None, state=t.state, error=t.error,
+                 child_tasks=[NS(task_id=c.task_id) for c in tasks if c.parent_task_id == t.task_id])
+              for t in tasks]  # fmt: skip
+    assert failed_tasks(NS(run_details=NS(task_details=linked))) == ["prepare model (executor(0)): exit status 1"]
     orphan = [task("pod", "executor(1)", "gone", False)]
     assert failed_tasks(NS(run_details=NS(task_details=orphan))) == ["executor(1)"]
