@@ -303,12 +303,31 @@ def failed_tasks(run: Any) -> list[str]:
     for t in leaves:
         message = getattr(t.error, "message", None) if t.error else None
         name = step_name(t, by_id, parents)
+        if ARGO_NODE.fullmatch(name):  # unlinked (KFP 2.17.0): the failed steps, known by their drivers
+            steps = failed_steps(tasks)
+            name = f"{', '.join(steps)} ({name})" if steps else name
         out.append(f"{name}: {message}" if message else name)
     return out
 
 
 # what a KFP backend reports for the Argo nodes inside a step: its pod (one per attempt) and its driver
 ARGO_NODE = re.compile(r"executor(\(\d+\))?|.*-driver|retry-.*")
+
+
+KFP_DAG = re.compile(r"exit-handler-\d+|condition-\d+|for-loop-\d+(-iteration-\d+)?")
+
+
+def failed_steps(tasks: list[Any]) -> list[str]:
+    """The failed tasks that are pipeline steps: each has a ``<name>-driver`` task and is not a DAG of KFP's own."""
+    names = {str(t.display_name) for t in tasks}
+    return sorted(
+        n
+        for t in tasks
+        if str(t.state) == "FAILED"
+        and not ARGO_NODE.fullmatch(n := str(t.display_name))
+        and not KFP_DAG.fullmatch(n)
+        and f"{n}-driver" in names
+    )
 
 
 def step_name(task: Any, by_id: Mapping[Any, Any], parents: Mapping[Any, Any] | None = None) -> str:

@@ -529,5 +529,13 @@ def test_a_failed_attempt_is_named_by_its_step() -> None:
                  child_tasks=[NS(task_id=c.task_id) for c in tasks if c.parent_task_id == t.task_id])
               for t in tasks]  # fmt: skip
     assert failed_tasks(NS(run_details=NS(task_details=linked))) == ["prepare model (executor(0)): exit status 1"]
+    # as KFP 2.17.0 reported a failed prepare-model step on the real backend: nothing links the tasks
+    flat = [task("dag", "exit-handler-1", None, True), task("dagd", "exit-handler-1-driver", None, False),
+            task("step", "prepare-model", None, True), task("stepd", "prepare-model-driver", None, False),
+            task("retry", "executor", None, True), task("pod", "executor(0)", None, False, "exit status 1")]  # fmt: skip
+    for t in flat:
+        t.state = "SUCCEEDED" if t.display_name.endswith("-driver") else "FAILED"
+        t.child_tasks = [NS(pod_name="x")] if t.child_tasks else []
+    assert failed_tasks(NS(run_details=NS(task_details=flat))) == ["prepare-model (executor(0)): exit status 1"]
     orphan = [task("pod", "executor(1)", "gone", False)]
     assert failed_tasks(NS(run_details=NS(task_details=orphan))) == ["executor(1)"]
