@@ -314,7 +314,7 @@ def failed_tasks(run: Any) -> list[str]:
 ARGO_NODE = re.compile(r"executor(\(\d+\))?|.*-driver|retry-.*")
 
 
-KFP_DAG = re.compile(r"exit-handler-\d+|condition-\d+|for-loop-\d+(-iteration-\d+)?")
+KFP_DAG = re.compile(r"root|exit-handler-\d+|condition-\d+|for-loop-\d+(-iteration-\d+)?")
 
 
 def failed_steps(tasks: list[Any]) -> list[str]:

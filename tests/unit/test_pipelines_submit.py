@@ -530,7 +530,8 @@ def test_a_failed_attempt_is_named_by_its_step() -> None:
               for t in tasks]  # fmt: skip
     assert failed_tasks(NS(run_details=NS(task_details=linked))) == ["prepare model (executor(0)): exit status 1"]
     # as KFP 2.17.0 reported a failed prepare-model step on the real backend: nothing links the tasks
-    flat = [task("dag", "exit-handler-1", None, True), task("dagd", "exit-handler-1-driver", None, False),
+    flat = [task("root", "root", None, True), task("rootd", "root-driver", None, False),
+            task("dag", "exit-handler-1", None, True), task("dagd", "exit-handler-1-driver", None, False),
             task("step", "prepare-model", None, True), task("stepd", "prepare-model-driver", None, False),
             task("retry", "executor", None, True), task("pod", "executor(0)", None, False, "exit status 1")]  # fmt: skip
     for t in flat:
