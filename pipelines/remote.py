@@ -299,13 +299,13 @@ def failed_tasks(run: Any) -> list[str]:
     by_id = {getattr(t, "task_id", None): t for t in tasks}
     # a real backend leaves parent_task_id empty and links a task to its children (child_tasks[].task_id)
     parents = {getattr(c, "task_id", None): t for t in tasks for c in (t.child_tasks or [])}
+    steps = failed_steps(tasks)  # for attempts nothing links to their step (KFP 2.17.0): known by their drivers
     out = []
     for t in leaves:
         message = getattr(t.error, "message", None) if t.error else None
         name = step_name(t, by_id, parents)
-        if ARGO_NODE.fullmatch(name):  # unlinked (KFP 2.17.0): the failed steps, known by their drivers
-            steps = failed_steps(tasks)
-            name = f"{', '.join(steps)} ({name})" if steps else name
+        if ARGO_NODE.fullmatch(name) and steps:
+            name = f"{', '.join(steps)} ({name})"
         out.append(f"{name}: {message}" if message else name)
     return out
 
