@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests" / "cluster"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from kfp_backend import KUBEFLOW_NAMESPACE, BackendSettings, backend_manifests  # noqa: E402
-from real_node import host_ip  # noqa: E402
+from real_node import CPU_RAY_RUN_CONFIG, host_ip  # noqa: E402
 from smoke_apiserver import db_config, start_mariadb  # noqa: E402
 
 TOOLS = Path(os.environ.get("FP8RL_TOOLS_DIR") or Path.home() / ".cache" / "fp8rl" / "tools")
@@ -66,15 +66,7 @@ WEED_PORTS = {"master": 19333, "volume": 18080, "filer": 18888}
 PIPELINES = ("recipe-comparison", "fp8-rl", "fp8-benchmark")
 
 # A tiny model on CPU, each RL step a RayJob of 2 trainer workers and 1 rollout worker on the 2-core node
-RUN_CONFIG: dict[str, Any] = {
-    "device": "cpu",
-    "eval_every": 2,
-    "eval_examples": 8,
-    "eval_samples": 1,
-    "grpo": {"prompts_per_step": 4, "group_size": 4},
-    "optim": {"micro_batch_size": 8},
-    "ray": {"trainer_workers": 2, "rollout_workers": 1, "layout": "split", "object_store_mb": 128},
-}
+RUN_CONFIG = CPU_RAY_RUN_CONFIG
 COMMON = {"device": "cpu", "sft_steps": 2, "rl_steps": 2, "bench_steps": 1, "run_config": RUN_CONFIG}
 STEP_REQUESTS = "250m,1Gi"  # the steps that hold a model: the default 2 CPUs would not fit the 2-core node
 PARAMS: dict[str, dict[str, Any]] = {

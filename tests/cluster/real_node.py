@@ -31,6 +31,18 @@ from typing import Any
 import yaml
 from control_plane import spawn_logged, wait_until
 
+# a tiny model's CPU run on Ray on this node: 2 trainer workers and 1 rollout worker, a few short steps (the RL
+# step's run config of the real-node tests and of scripts/kfp_backend/e2e.py)
+CPU_RAY_RUN_CONFIG: dict[str, Any] = {
+    "device": "cpu",
+    "eval_every": 2,
+    "eval_examples": 8,
+    "eval_samples": 1,
+    "grpo": {"prompts_per_step": 4, "group_size": 4},
+    "optim": {"micro_batch_size": 8},
+    "ray": {"trainer_workers": 2, "rollout_workers": 1, "layout": "split", "object_store_mb": 128},
+}
+
 NODE_NAME = "fp8rl-node"
 NODE_LABEL = "fp8rl.dev/node"  # "real" on this node (kwok's GPU nodes say nothing)
 POD_SUBNET = "10.244.0.0/24"

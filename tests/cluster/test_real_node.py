@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from real_node import CPU_RAY_RUN_CONFIG
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -31,16 +32,7 @@ DATA_PVC, MLFLOW_PVC = f"{RELEASE}-fp8rl-data", f"{RELEASE}-fp8rl-mlflow"
 CONFIGMAP, MLFLOW_CLIENT_SECRET = f"{RELEASE}-fp8rl-rayjob-defaults", f"{RELEASE}-fp8rl-mlflow-client"
 MLFLOW_AUTH_SECRET = f"{RELEASE}-fp8rl-mlflow-auth"
 PIPELINE_SA = f"{RELEASE}-fp8rl-pipeline"
-# a tiny model's CPU run on Ray: 2 trainer workers and 1 rollout worker, a few short steps
-RUN_CONFIG: dict[str, Any] = {
-    "device": "cpu",
-    "eval_every": 2,
-    "eval_examples": 8,
-    "eval_samples": 1,
-    "grpo": {"prompts_per_step": 4, "group_size": 4},
-    "optim": {"micro_batch_size": 8},
-    "ray": {"trainer_workers": 2, "rollout_workers": 1, "layout": "split", "object_store_mb": 128},
-}
+RUN_CONFIG: dict[str, Any] = CPU_RAY_RUN_CONFIG
 
 
 def _core(cluster: Any) -> Any:
