@@ -58,10 +58,13 @@ cluster-down:
 
 # The users' whole path on a real KFP backend (scripts/kfp_backend/README.md; needs its build in the tools cache):
 # a fresh cluster with the component image and KFP's driver, launcher and argoexec images, the backend as host
-# processes, the chart, and the three pipelines submitted with `pipelines.submit --wait` on CPU settings. Prints
+# processes, the chart, the three pipelines submitted with `pipelines.submit --wait` on CPU settings, then the KFP UI
+# (scripts/kfp_backend/build_ui.sh's build) driven in headless Chromium (tests/cluster/test_kfp_ui.py). Prints
 # `E2E OK kfp-run=<id> mlflow-parent=<id>` last; leaves the cluster up (`make cluster-down`). Root.
 KFP_IMAGES := localhost/fp8rl-kfp-driver:2.17.0 localhost/fp8rl-kfp-launcher:2.17.0 localhost/fp8rl-argoexec:v4.0.5
 e2e: k8s-tools node-deps images
+	scripts/container_tools.sh --node --ui
+	$(BIN)/python -m pip install -q -c constraints.txt playwright
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/kfp_backend/images.sh
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py --down
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down

@@ -2,14 +2,22 @@
 # Installs what `make images` needs to build and run the project's images without a Docker daemon: podman and
 # buildah (rootful, runc), mmdebstrap (the local base images), umoci and skopeo (OCI archives). With --node, also
 # what the local cluster's real node needs (`make node-deps`): containerd, the CNI plugins, iptables and gcc (the
-# pod sandbox's pause binary). Debian/Ubuntu packages; needs root. Does nothing when they are all present.
+# pod sandbox's pause binary). With --ui, also Chromium (`make e2e` drives the KFP UI in it). Debian/Ubuntu packages;
+# needs root. Does nothing when they are all present.
 set -euo pipefail
 tools=(podman buildah mmdebstrap runc umoci skopeo)
 packages=(podman buildah mmdebstrap runc umoci skopeo fuse-overlayfs uidmap ca-certificates curl)
-if [ "${1:-}" = --node ]; then
-    tools+=(containerd ctr iptables gcc /usr/lib/cni/bridge)
-    packages+=(containerd containernetworking-plugins iptables gcc libc6-dev)
-fi
+for opt in "$@"; do
+    case "$opt" in
+    --node)
+        tools+=(containerd ctr iptables gcc /usr/lib/cni/bridge)
+        packages+=(containerd containernetworking-plugins iptables gcc libc6-dev) ;;
+    --ui)
+        tools+=(chromium)
+        packages+=(chromium) ;;
+    *) echo "container_tools.sh: unknown option $opt (--node, --ui)" >&2; exit 2 ;;
+    esac
+done
 missing=()
 for tool in "${tools[@]}"; do
     if [[ "$tool" == /* ]]; then [ -x "$tool" ] || missing+=("$tool"); else command -v "$tool" >/dev/null || missing+=("$tool"); fi

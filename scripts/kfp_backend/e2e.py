@@ -43,9 +43,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "cluster"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kfp_backend import KUBEFLOW_NAMESPACE, BackendSettings, backend_manifests  # noqa: E402
+from kfp_backend import KUBEFLOW_NAMESPACE, BackendSettings, HostPorts, backend_manifests  # noqa: E402
 from real_node import CPU_RAY_RUN_CONFIG, host_ip  # noqa: E402
 from smoke_apiserver import db_config, start_mariadb  # noqa: E402
+from ui import missing_build, start_ui, ui_env  # noqa: E402
 
 TOOLS = Path(os.environ.get("FP8RL_TOOLS_DIR") or Path.home() / ".cache" / "fp8rl" / "tools")
 KFP_BIN = TOOLS / "kfp-2.17.0" / "bin"
@@ -75,6 +76,8 @@ PARAMS: dict[str, dict[str, Any]] = {
     "fp8-benchmark": {k: v for k, v in COMMON.items() if k not in ("sft_steps", "rl_steps")}
     | {"recipes": ["bf16", "fp8-e2e"], "warmup_steps": 0},
 }
+# The run started from the UI's form: recipe-comparison's CPU settings, typed into the form, one RL step
+UI_PARAMS = {**PARAMS["recipe-comparison"], "rl_steps": 1}
 
 
 def say(msg: str) -> None:
@@ -400,6 +403,37 @@ def check_mlflow(kfp_run: str, mlflow_env: dict[str, str]) -> tuple[str, int]:
     return parent.info.run_id, len(children)
 
 
+def check_ui(procs: Processes, work: Path, api_url: str, mlflow_env: dict[str, str]) -> None:
+    """The KFP UI (scripts/kfp_backend/ui.py) driven in headless Chromium by tests/cluster/test_kfp_ui.py: upload
+    recipe-comparison compiled as ``pipelines.submit`` compiles it here, start a run from the form, see it succeed,
+    open a step's logs; then that run's MLflow runs FINISHED."""
+    ports = HostPorts()
+    ui_url = start_ui(procs, ports.mlmd_grpc, ui_env(ports.api_http, (ports.s3, *S3_KEYS), KUBEFLOW_NAMESPACE,
+                                                     KUBECONFIG), wait_for)  # fmt: skip
+    say(f"KFP UI at {ui_url}")
+    package_dir, shots = work / "ui-package", work / "ui-screenshots"
+    subprocess.run([sys.executable, "-m", "pipelines.compile", "recipe-comparison", "--output-dir", str(package_dir),
+                    "--registry", "localhost", "--step-requests", STEP_REQUESTS, "--cpu-only"], cwd=ROOT,
+                   check=True)  # fmt: skip
+    env = {"FP8RL_KFP_UI_URL": ui_url, "FP8RL_KFP_API_URL": api_url,
+           "FP8RL_KFP_UI_PACKAGE": str(package_dir / "recipe-comparison.yaml"),
+           "FP8RL_KFP_UI_PARAMS": json.dumps(UI_PARAMS), "FP8RL_KFP_UI_SERVICE_ACCOUNT": PIPELINE_SA,
+           "FP8RL_KFP_UI_OUT": str(shots)}  # fmt: skip
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
+                           "tests/cluster/test_kfp_ui.py"], cwd=ROOT, env={**os.environ, **env},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    (work / "ui-test.log").write_text(done.stdout)
+    print(done.stdout, end="", flush=True)
+    if done.returncode or "1 passed" not in done.stdout:
+        raise SystemExit(f"e2e: the KFP UI check did not pass (exit {done.returncode}); screenshots in {shots}")
+    run_id = (shots / "run-id").read_text().strip()
+    parent, children = check_mlflow(run_id, mlflow_env)
+    say(f"OK the KFP UI: uploaded, run {run_id} started from the form SUCCEEDED, a step's logs shown "
+        f"({time.monotonic() - t0:.0f} s); MLflow parent {parent} and {children} child runs FINISHED; "
+        f"screenshots {', '.join(sorted(p.name for p in shots.glob('*.png')))} in {shots}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipelines", default=",".join(PIPELINES), help=f"which, in order (default {','.join(PIPELINES)})")
@@ -409,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         dest="checks",
         action="store_false",
         help="skip the submit tool's checks after the pipelines (upload, schedule, failing run, cancel)",
+    )
+    p.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="skip the KFP UI check (it needs scripts/kfp_backend/build_ui.sh's build, Chromium and playwright)",
     )
     p.add_argument("--down", action="store_true", help="stop what a --keep run left, and uninstall its release")
     args = p.parse_args(argv)
@@ -424,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                "workflow-controller", "weed")), MLMD_PYTHON] if not Path(b).exists()]  # fmt: skip
     if missing:
         raise SystemExit(f"e2e: missing {', '.join(missing)}: scripts/kfp_backend/README.md says how to build them")
+    if args.ui and missing_build():
+        raise SystemExit(f"e2e: missing {', '.join(missing_build())}: build the UI with scripts/kfp_backend/build_ui.sh "
+                         "(KFP_SRC=...), or pass --no-ui")  # fmt: skip
     if not KUBECONFIG.exists() or kubectl("get", "--raw", "/readyz", check=False).returncode:
         raise SystemExit(f"e2e: no cluster answers at {KUBECONFIG}: make cluster-up first")
     t_all = time.monotonic()
@@ -445,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             line = f"kfp-run={run_id} mlflow-parent={parent}"
             say(f"OK {pipeline} {line} ({children} child runs FINISHED, {time.monotonic() - t0:.0f} s)")
             lines.append((pipeline, line))
+        if args.ui:
+            check_ui(procs, work, url, mlflow_env)
         if args.checks:
             check_submit_tool(url, work)
         say(f"all in {time.monotonic() - t_all:.0f} s")
