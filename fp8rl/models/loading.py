@@ -1,4 +1,4 @@
-"""Load local Hugging Face causal-LM directories (Qwen2, Qwen3 and Llama families)."""
+"""Load local Hugging Face causal-LM directories (Qwen2, Qwen3, Llama and Gemma 3 text families)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from fp8rl.errors import UserError
 
-# model_type values whose decoder layers are named model.layers.N.{self_attn,mlp}.*_proj
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"qwen2", "qwen3", "llama"})
+# model_type values whose decoder layers are named model.layers.N.{self_attn,mlp}.*_proj.  gemma3_text is Gemma 3's
+# text-only causal LM (Gemma3ForCausalLM, e.g. Gemma-3-270M/1B); the multimodal gemma3 nests it under
+# model.language_model and is not supported.  Gemma's differences stay inside transformers/vLLM and BF16: norms
+# as (1 + w), the sqrt(hidden) embedding scale, q/k norms, GELU MLP, sliding-window layers.
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"qwen2", "qwen3", "llama", "gemma3_text"})
 
 
 class UnsupportedModelError(UserError, ValueError):

@@ -79,3 +79,24 @@ def test_diagnose_run_measures_the_scaling_the_rollout_serves(tiny_models: dict[
     block, channel = run("recipe"), run("channel")
     assert block.spec["granularity"] == "block" and channel.spec["granularity"] == "row"
     assert channel.tmpe_all_fp8 != block.tmpe_all_fp8  # another quantization, another disagreement
+
+
+def test_response_logprobs_are_the_whole_batch_log_softmax(tiny_models: dict[str, Path]) -> None:
+    """Chunked (``token_logprobs``, no ``[batch, t, vocab]`` fp32 copy: Gemma 3's vocabulary is 262,144) and the same
+    bits as the plain fp32 log-softmax of the whole micro-batch."""
+    engine = TorchRolloutEngine(tiny_models["small"], "bf16")
+    tok = load_tokenizer(tiny_models["small"])
+    batch = sample_sequences(engine, tok, ArithmeticTask().examples("test", 6), PromptFormat(), 6, seed=0)
+    got = response_logprobs(engine.model, batch, micro_batch=4)
+    want = []
+    with torch.no_grad():
+        for s in range(0, 6, 4):
+            b = batch.slice(slice(s, s + 4))
+            logits = engine.model(
+                input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+            ).logits
+            t = b.input_ids.shape[1] - b.prompt_width
+            pred = logits[:, b.prompt_width - 1 : b.prompt_width - 1 + t, :].float()
+            lp = pred.log_softmax(-1).gather(-1, b.input_ids[:, b.prompt_width :, None]).squeeze(-1)
+            want.append(lp * b.response_mask)
+    assert torch.equal(got, torch.cat(want))
