@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fp8rl.atomic import atomic_directory, atomic_write_text
+from fp8rl.errors import UserError
 from fp8rl.tracking import MetricsSink
 
 LATEST = "LATEST"
@@ -46,6 +47,10 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+class CheckpointWriteError(UserError):
+    """A loop checkpoint could not be written (most often: its disk is full)."""
+
+
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
@@ -55,8 +60,15 @@ def save_loop_state(root: str | os.PathLike[str], state: LoopState) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     target = _step_dir(root, state.step)
-    with atomic_directory(target, overwrite=True) as tmp:
-        torch.save(state.__dict__, Path(tmp) / "state.pt")
+    try:
+        with atomic_directory(target, overwrite=True) as tmp:
+            torch.save(state.__dict__, Path(tmp) / "state.pt")
+    except (RuntimeError, OSError) as e:  # torch reports a full disk as "[enforce fail ...] unexpected pos N vs M"
+        free_gib = shutil.disk_usage(root).free / 2**30
+        raise CheckpointWriteError(
+            f"{target}: writing the checkpoint failed ({str(e).strip()}); {free_gib:.1f} GiB free on its disk: "
+            "free space, or checkpoint less often (checkpoint_every)"
+        ) from e
     atomic_write_text(root / LATEST, target.name + "\n")
     for old in sorted(root.glob("step-*"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
