@@ -126,6 +126,34 @@ def gemma_tokenizer_from_gguf(path: str | os.PathLike[str]) -> Any:
     return tok
 
 
+def _gemma_stop_ids(tok: Any, model: Any) -> list[str]:
+    """A chat turn ends with ``<end_of_turn>``: a stop id after ``<eos>``, as Gemma 3's generation config has it."""
+    end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
+    eos = _first(model.generation_config.eos_token_id)
+    if eos is None or not isinstance(end_of_turn, int) or end_of_turn == tok.unk_token_id:
+        return []
+    model.generation_config.eos_token_id = [eos, end_of_turn]
+    return [f"generation_config eos_token_id {eos} -> [{eos}, {end_of_turn}] (<end_of_turn> stops too)"]
+
+
+def _plain_copy(model: Any, dtype: torch.dtype, src: Path) -> Any:
+    """transformers marks a GGUF-loaded model as quantized and refuses to save it: its (dequantized) weights moved
+    into a plain model built from the same config, in ``dtype``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+        raise GGUFImportError(
+            f"{src}: weights do not fit the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    plain.generation_config = model.generation_config
+    if getattr(plain.config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    return plain
+
+
 def import_gguf(
     gguf_path: str | os.PathLike[str], dst: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
@@ -156,28 +184,10 @@ def import_gguf(
         raise GGUFImportError(
             f"{src}: transformers cannot read it as a GGUF causal LM ({type(e).__name__}: {e})"
         ) from e
-    if gemma:  # a chat turn ends with <end_of_turn>: a stop id after <eos>, as Gemma 3's generation config has it
-        end_of_turn = tok.convert_tokens_to_ids("<end_of_turn>")
-        eos = _first(model.generation_config.eos_token_id)
-        if eos is not None and isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
-            model.generation_config.eos_token_id = [eos, end_of_turn]
-            fixes.append(f"generation_config eos_token_id {eos} -> [{eos}, {end_of_turn}] (<end_of_turn> stops too)")
+    if gemma:
+        fixes += _gemma_stop_ids(tok, model)
     fixes += fix_special_tokens(tok, model)
-    # transformers marks a GGUF-loaded model as quantized and refuses to save it: move the (dequantized)
-    # weights into a plain model built from the same config.
-    from transformers import AutoConfig
-
-    cfg = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
-    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
-    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-        raise GGUFImportError(
-            f"{src}: weights do not fit the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
-    plain.generation_config = model.generation_config
-    if getattr(plain.config, "tie_word_embeddings", False):
-        plain.tie_weights()
-    model = plain
+    model = _plain_copy(model, dtype, src)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
