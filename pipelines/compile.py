@@ -117,6 +117,7 @@ def compile_all(
     digests: Mapping[str, str] | None = None,
     step_requests: str | None = None,
     cpu_only: bool = False,
+    caching: bool = True,
 ) -> list[Path]:
     from pipelines import get_pipelines
 
@@ -124,10 +125,11 @@ def compile_all(
     unknown = [n for n in names if n not in available]
     if unknown:
         raise UserError(f"unknown pipeline(s) {unknown}; available: {', '.join(available)}")
-    return [
-        write_ir(pipeline_ir(available[name], registry, digests, cpu_only), output_dir / f"{name}.yaml")
-        for name in names or available
-    ]
+    paths = []
+    for name in names or available:
+        docs = pipeline_ir(available[name], registry, digests, cpu_only)
+        paths.append(write_ir(docs if caching else disable_caching(docs), output_dir / f"{name}.yaml"))
+    return paths
 
 
 def compile_components(
@@ -164,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cpu-only", action="store_true", help=CPU_ONLY_HELP)
     parser.add_argument(
+        "--disable-caching",
+        dest="caching",
+        action="store_false",
+        help="compile every step with KFP's execution caching off (as `kfp dsl compile "
+        "--disable-execution-caching-by-default`): a run started from this file, in the UI say, runs every step",
+    )
+    parser.add_argument(
         "--components",
         action="store_true",
         help="also every component, as <output-dir>/components/<name>.yaml, to reuse in pipelines of your own",
@@ -171,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         digests = parse_digests(args.digest)
-        paths = compile_all(args.output_dir, args.names, args.registry, digests, args.step_requests, args.cpu_only)
+        paths = compile_all(
+            args.output_dir, args.names, args.registry, digests, args.step_requests, args.cpu_only, args.caching
+        )
         if args.components:
             paths += compile_components(args.output_dir / "components", args.registry, digests)
         for path in paths:

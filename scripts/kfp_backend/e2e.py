@@ -413,7 +413,9 @@ def check_ui(procs: Processes, work: Path, api_url: str, mlflow_env: dict[str, s
     say(f"KFP UI at {ui_url}")
     package_dir, shots = work / "ui-package", work / "ui-screenshots"
     subprocess.run([sys.executable, "-m", "pipelines.compile", "recipe-comparison", "--output-dir", str(package_dir),
-                    "--registry", "localhost", "--step-requests", STEP_REQUESTS, "--cpu-only"], cwd=ROOT,
+                    "--registry", "localhost", "--step-requests", STEP_REQUESTS, "--cpu-only",
+                    # every step runs: the earlier recipe-comparison run would serve its prepare step from KFP's cache
+                    "--disable-caching"], cwd=ROOT,
                    check=True)  # fmt: skip
     env = {"FP8RL_KFP_UI_URL": ui_url, "FP8RL_KFP_API_URL": api_url,
            "FP8RL_KFP_UI_PACKAGE": str(package_dir / "recipe-comparison.yaml"),

@@ -292,6 +292,22 @@ def test_compile_cli_refers_to_images_by_digest(tmp_path: Path, capsys: pytest.C
     assert not (tmp_path / "bad").exists()
 
 
+def test_compile_cli_disable_caching_turns_off_every_steps_cache(tmp_path: Path) -> None:
+    """``--disable-caching``: no task in any DAG of the file may be served from KFP's cache (a run from the UI runs
+    every step); without it the steps that hold no MLflow run are cached."""
+
+    def cached_tasks(path: Path) -> list[str]:
+        spec = next(yaml.safe_load_all(path.read_text()))
+        dags = [spec["root"], *spec.get("components", {}).values()]
+        return [name for d in dags for name, t in d.get("dag", {}).get("tasks", {}).items()
+                if t.get("cachingOptions", {}).get("enableCache", False)]  # fmt: skip
+
+    assert main(["--output-dir", str(tmp_path / "on"), "recipe-comparison"]) == 0
+    assert "prepare-model" in cached_tasks(tmp_path / "on" / "recipe-comparison.yaml")
+    assert main(["--output-dir", str(tmp_path / "off"), "--disable-caching", "recipe-comparison"]) == 0
+    assert cached_tasks(tmp_path / "off" / "recipe-comparison.yaml") == []
+
+
 def test_compile_cli_default_dir_and_selection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["fp8-rl"]) == 0
