@@ -6,16 +6,28 @@
 # with FP8RL_IMAGES_READY_FILE set, its tests and the real node's wait for the image build that writes that file:
 # .ci/run).
 # Arguments go to both (e.g. -x, -k EXPR). PYTHON: the interpreter (default .venv/bin/python).
+# pytest runs from its console script beside the interpreter, not as `python -m pytest`: runpy's frozen frames under
+# every test have no source file, and each `inspect.stack()` of the KFP SDK (several per pipeline step it builds) then
+# scans all of sys.modules for them; in a process that has imported torch, transformers, MLflow and Ray, a pipeline
+# build took 3-4 s instead of 0.1 s.
+# Each process, and what it starts (Ray workers, pipeline steps, ranks), runs torch on half the cores (unless
+# OMP_NUM_THREADS is set): the two processes fill the machine, and a torch op split over more threads than it gets
+# cores waits for the one that is not scheduled. On 2 busy cores the 2,048-token generation test took 80 s on two
+# threads, 24 s on one.
 set -uo pipefail
+half=$(( $(nproc) / 2 ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( half > 0 ? half : 1 ))}
 py=${PYTHON:-.venv/bin/python}
+pytest_bin="$(dirname "$py")/pytest"
+[ -x "$pytest_bin" ] || { echo "scripts/pytest_tiers.sh: no $pytest_bin (install the dev extra: make install)" >&2; exit 2; }
 side=(tests/cluster tests/integration/test_pipeline_local.py tests/image)
 side_log=$(mktemp)
 trap 'rm -f "$side_log"' EXIT
-"$py" -m pytest -p no:cacheprovider "${side[@]}" "$@" >"$side_log" 2>&1 &
+"$pytest_bin" -p no:cacheprovider "${side[@]}" "$@" >"$side_log" 2>&1 &
 side_pid=$!
 ignore=()
 for path in "${side[@]}"; do ignore+=("--ignore=$path"); done
-"$py" -m pytest "${ignore[@]}" "$@"
+"$pytest_bin" "${ignore[@]}" "$@"
 main_rc=$?
 wait "$side_pid"
 side_rc=$?

@@ -401,7 +401,7 @@ def test_mlflow_restarted_mid_run_loses_no_step(
     kfp_run = uuid.uuid4().hex
     parent, ref = _start_tracking(cluster, ns, release, kfp_run)
     model = _stage_model(release, tiny_models["tiny"])
-    steps = 300  # the tiny model's steps take 0.1-0.4 s: a minute or more of logging, across the restart
+    steps = 100  # the tiny model's steps take 0.1-0.4 s: 10-40 s of logging, across the restart
     core = _core(cluster)
     core.create_namespaced_pod(ns, _rl_step_pod(cluster, kfp_run, model, ref, "bf16", steps, RUN_CONFIG))
     mlflow = Mlflow(cluster, ns)
@@ -412,9 +412,10 @@ def test_mlflow_restarted_mid_run_loses_no_step(
         (child,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
         return bool(client.get_metric_history(child.info.run_id, "train/loss"))
 
-    _wait(first_step_logged, 600, "the first step's metrics in MLflow", poll_s=2)
+    _wait(first_step_logged, 600, "the first step's metrics in MLflow", poll_s=0.5)
     (server,) = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=mlflow").items
     core.delete_namespaced_pod(server.metadata.name, ns)
+    assert core.read_namespaced_pod("rl-step", ns).status.phase == "Running"  # the restart falls inside the run
     t0 = time.monotonic()
     phase = _wait(lambda: (p := core.read_namespaced_pod("rl-step", ns).status.phase) in ("Succeeded", "Failed")
                   and p, 900, "the RL step finished", poll_s=2)  # fmt: skip
@@ -438,8 +439,8 @@ def test_a_ray_worker_pod_killed_mid_run_resumes_from_the_checkpoint(
     kfp_run = uuid.uuid4().hex
     parent, ref = _start_tracking(cluster, ns, release, kfp_run)
     model = _stage_model(release, tiny_models["tiny"])
-    steps = 300  # 0.1-0.4 s each: the worker dies long before the end
-    config = {**RUN_CONFIG, "checkpoint_every": 25, "ray": {**RUN_CONFIG["ray"], "max_restarts": 2}}
+    steps = 100  # 0.1-0.4 s each: the worker dies long before the end
+    config = {**RUN_CONFIG, "checkpoint_every": 20, "ray": {**RUN_CONFIG["ray"], "max_restarts": 2}}
     core = _core(cluster)
     core.create_namespaced_pod(ns, _rl_step_pod(cluster, kfp_run, model, ref, "bf16", steps, config))
     client = Mlflow(cluster, ns).client(monkeypatch)
@@ -449,9 +450,10 @@ def test_a_ray_worker_pod_killed_mid_run_resumes_from_the_checkpoint(
         (child,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
         return len(client.get_metric_history(child.info.run_id, "train/loss"))
 
-    _wait(lambda: steps_logged() >= 2, 600, "two steps logged", poll_s=2)
+    _wait(lambda: steps_logged() >= 2, 600, "two steps logged", poll_s=0.5)
     (worker,) = core.list_namespaced_pod(ns, label_selector="fp8rl/role=worker").items
     core.delete_namespaced_pod(worker.metadata.name, ns, grace_period_seconds=0)
+    assert core.read_namespaced_pod("rl-step", ns).status.phase == "Running"  # killed inside the run
     phase = _wait(lambda: (p := core.read_namespaced_pod("rl-step", ns).status.phase) in ("Succeeded", "Failed")
                   and p, 900, "the RL step finished", poll_s=2)  # fmt: skip
     log = core.read_namespaced_pod_log("rl-step", ns)

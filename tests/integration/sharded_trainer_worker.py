@@ -7,12 +7,18 @@ rank 0 writes what the test compares with the one-process replicated trainer: pe
 metrics summed over ranks, FP8 KV-cache scales (before the first forward and after the steps), logprobs, the gathered weights, the full trainer state, and a saved
 checkpoint.  With ``--resume STATE`` it first loads a (replicated) trainer state.  With ``--count-syncs`` (CUDA) each
 rank also records where its policy steps and logprob pass synchronised with the GPU (``cuda_syncs.record_syncs``).
+
+``--cases FILE`` runs several cases in one launch, one after the other in the same process group: FILE is a JSON
+list of argument lists (``[MODEL, OUT, *flags]``), each a fresh trainer.  Two processes importing torch and
+transformers cost more than a tiny model's steps, so the CPU tests launch once for all their cases.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -75,7 +81,7 @@ def _count_calls(name: str) -> list[int]:
     return count
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("out")
@@ -93,12 +99,26 @@ def main() -> None:
     ap.add_argument("--reduce-grads-once", action="store_true", help="OptimConfig.reduce_grads_once=True")
     ap.add_argument("--granularity", default="block", help="the FP8 recipe's quant.granularity (block | row | tensor)")
     ap.add_argument("--loss-on-every-rank", action="store_true", help="fixed_batch(loss_on_every_rank=True)")
-    args = ap.parse_args()
-    gathers, scatters = _count_calls("all_gather_into_tensor"), _count_calls("reduce_scatter_tensor")
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else args.device
+    return ap
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--cases"]:
+        cases = [_parser().parse_args(argv) for argv in json.loads(Path(sys.argv[2]).read_text())]
+    else:
+        cases = [_parser().parse_args()]
+    counters = _count_calls("all_gather_into_tensor"), _count_calls("reduce_scatter_tensor")
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cases[0].device == "cuda" else cases[0].device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    for args in cases:
+        run_case(args, device, *counters)
+    dist.destroy_process_group()
+
+
+def run_case(args: argparse.Namespace, device: str, gathers: list[int], scatters: list[int]) -> None:
+    """One case (a fresh trainer) in the process group that is already up."""
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = TrainerOptions(precision=args.precision, sharding="fsdp", backend=args.backend, spec=QuantSpec(granularity=args.granularity), optim=OptimConfig(lr=1e-3, micro_batch_size=args.micro_batch_size, activation_checkpointing=args.activation_checkpointing, offload_optimizer_state=args.offload_optimizer_state, fp8_gather_once=not args.no_fp8_gather_once, compile_elementwise=args.compile_elementwise, reduce_grads_once=args.reduce_grads_once, warmup_steps=0))  # fmt: skip
     trainer: TorchTrainer
@@ -176,7 +196,7 @@ def main() -> None:
              "kept": kept, "syncs": rank_syncs},
             out / "result.pt",
         )  # fmt: skip
-    dist.destroy_process_group()
+    dist.barrier()  # the next case starts with every rank done with this one
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Each case runs ``sharded_trainer_worker.py`` under ``torch.distributed.run`` (two real processes,
 a real gloo process group, real FSDP2) and compares with ``TorchTrainer`` replicated in this
-process on the same batch, split into the same micro-batches.  Documented tolerance: the sharded run sums the same per-micro-batch
+process on the same batch, split into the same micro-batches.  The module's cases run in one launch, one after the
+other (``--cases``), each with a fresh trainer.  Documented tolerance: the sharded run sums the same per-micro-batch
 fp32 gradients in another order (reduce-scatter per micro-batch instead of one accumulation and
 all-reduce), so losses and grad norms agree to 1e-5 relative and the bf16 weights after AdamW to
 one bf16 rounding step (most are bit-equal).
@@ -10,6 +11,7 @@ one bf16 rounding step (most are bit-equal).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,15 +28,6 @@ sys.path.insert(0, str(HERE))
 from sharded_trainer_worker import fixed_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _sharded(model: Path, out: Path, *extra: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "sharded_trainer_worker.py"), str(model), str(out), *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out / "result.pt", weights_only=False)
 
 
 def _replicated(
@@ -67,12 +60,50 @@ def _assert_same_kv_scales(got: dict, ref: dict) -> None:
             assert getattr(s, kind) == pytest.approx(getattr(ref[layer], kind), rel=2e-2), (layer, kind)
 
 
+# the cases the tests below compare: name -> the worker's flags
+CASES: dict[str, tuple[str, ...]] = {
+    "bf16": ("--precision", "bf16"),
+    "fp8": ("--precision", "fp8"),
+    "resume": ("--steps", "1", "--resume", "{state}"),
+    "activation-checkpointing": ("--steps", "1", "--activation-checkpointing"),
+    "offload": ("--steps", "2", "--offload-optimizer-state"),
+    **{
+        f"gather-{when}-{ids}": ("--precision", "fp8", *ckpt, *(() if when == "once" else ("--no-fp8-gather-once",)))
+        for ids, ckpt in (("plain", ()), ("checkpointed", ("--activation-checkpointing",)))
+        for when in ("once", "every")
+    },
+    **{
+        f"reduce-{when}-{precision}": ("--precision", precision, "--loss-on-every-rank",
+                                        *(("--reduce-grads-once",) if when == "once" else ()))
+        for precision in ("bf16", "fp8") for when in ("once", "every")
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict, Path]]:
+    """Every case of CASES on 2 gloo ranks, in one ``torch.distributed.run``: name -> (rank 0's result, its output
+    directory).  The resume case starts from the state of one replicated step."""
+    model, root = tiny_models["tiny"], tmp_path_factory.mktemp("sharded")
+    first, _ = _replicated(model, "bf16", 1)
+    torch.save(first.state_dict(), root / "state.pt")
+    cases = {name: [str(model), str(root / name), *(f.format(state=root / "state.pt") for f in flags)]
+             for name, flags in CASES.items()}  # fmt: skip
+    (root / "cases.json").write_text(json.dumps(list(cases.values())))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(HERE / "sharded_trainer_worker.py"), "--cases", str(root / "cases.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: (torch.load(root / name / "result.pt", weights_only=False), root / name) for name in cases}
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_two_sharded_ranks_reproduce_the_replicated_trainer(
-    tiny_models: dict[str, Path], tmp_path: Path, precision: str
+    tiny_models: dict[str, Path], sharded: dict[str, tuple[dict, Path]], precision: str
 ) -> None:
     model = tiny_models["tiny"]
-    got = _sharded(model, tmp_path, "--precision", precision)
+    got, out = sharded[precision]
     fresh = TorchTrainer(model, TrainerOptions(precision=precision, optim=OptimConfig(lr=2e-5, warmup_steps=0)))
     batch, *_ = fixed_batch()
     _assert_same_kv_scales(got["kv_before"], fresh.kv_scales(batch, 0.999, 1.1)[0])
@@ -97,18 +128,18 @@ def test_two_sharded_ranks_reproduce_the_replicated_trainer(
     # the policy rank 0 saved from the gathered weights loads in transformers as the same weights
     from transformers import AutoModelForCausalLM
 
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.bfloat16)
+    saved = AutoModelForCausalLM.from_pretrained(out / "policy", dtype=torch.bfloat16)
     for name, p in saved.named_parameters():
         assert torch.equal(p.detach(), got["weights"][name]), name
 
 
-def test_resume_crosses_between_sharded_and_replicated(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_resume_crosses_between_sharded_and_replicated(
+    tiny_models: dict[str, Path], sharded: dict[str, tuple[dict, Path]]
+) -> None:
     """The trainer state has one layout: a replicated step resumes sharded, and a sharded state resumes
     replicated, landing where an unbroken replicated run lands."""
     model = tiny_models["tiny"]
-    first, _ = _replicated(model, "bf16", 1)
-    torch.save(first.state_dict(), tmp_path / "state.pt")
-    got = _sharded(model, tmp_path, "--steps", "1", "--resume", str(tmp_path / "state.pt"))
+    got, _ = sharded["resume"]  # from the state of one replicated step (the fixture)
     straight, history = _replicated(model, "bf16", 2)
     assert got["history"][0]["loss"] == pytest.approx(history[1]["loss"], rel=1e-5)
     _assert_same_weights(got["weights"], {k: v.cpu() for k, v in straight.hf_state_dict().items()})
@@ -120,20 +151,24 @@ def test_resume_crosses_between_sharded_and_replicated(tiny_models: dict[str, Pa
         assert torch.equal(w.cpu(), got["weights"][name]), name
 
 
-def test_activation_checkpointing_changes_memory_not_numbers(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_activation_checkpointing_changes_memory_not_numbers(
+    tiny_models: dict[str, Path], sharded: dict[str, tuple[dict, Path]]
+) -> None:
     model = tiny_models["tiny"]
-    got = _sharded(model, tmp_path, "--steps", "1", "--activation-checkpointing")
+    got, _ = sharded["activation-checkpointing"]
     _trainer, history = _replicated(model, "bf16", 1)
     assert got["history"][0]["loss"] == pytest.approx(history[0]["loss"], rel=1e-5)
     assert got["history"][0]["grad_norm"] == pytest.approx(history[0]["grad_norm"], rel=1e-5)
 
 
-def test_optimizer_state_offload_changes_memory_not_numbers(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_optimizer_state_offload_changes_memory_not_numbers(
+    tiny_models: dict[str, Path], sharded: dict[str, tuple[dict, Path]]
+) -> None:
     """``optim.offload_optimizer_state`` with FSDP2: AdamW's sharded moments leave the device after every step
     (their storage is empty there) and come back for the next; the run, and its gathered state, are the same
     as without it."""
     model = tiny_models["tiny"]
-    got = _sharded(model, tmp_path, "--steps", "2", "--offload-optimizer-state")
+    got, _ = sharded["offload"]
     trainer, history = _replicated(model, "bf16", 2)
     for a, b in zip(history, got["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-8)
@@ -150,16 +185,15 @@ def test_optimizer_state_offload_changes_memory_not_numbers(tiny_models: dict[st
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_fp8_gather_once_changes_the_gathers_not_the_numbers(
-    tiny_models: dict[str, Path], tmp_path: Path, checkpointing: bool
+    tiny_models: dict[str, Path], sharded: dict[str, tuple[dict, Path]], checkpointing: bool
 ) -> None:
     """``optim.fp8_gather_once`` (the default): the FP8 linears' cached copies serve every micro-batch, so FSDP2
     gathers each decoder layer once per weight version instead of for every forward and backward (with activation
     checkpointing, the recompute's as well); the losses, gradient norms and trained weights are exactly those of
     the run that gathers every time."""
     model = tiny_models["tiny"]
-    flags = ["--precision", "fp8", *(["--activation-checkpointing"] if checkpointing else [])]
-    once = _sharded(model, tmp_path / "once", *flags)
-    every = _sharded(model, tmp_path / "every", *flags, "--no-fp8-gather-once")
+    ids = "checkpointed" if checkpointing else "plain"  # --precision fp8 [--activation-checkpointing]
+    (once, _), (every, _) = sharded[f"gather-once-{ids}"], sharded[f"gather-every-{ids}"]
     for a, b in zip(every["history"], once["history"], strict=True):
         assert (b["loss"], b["grad_norm"]) == (a["loss"], a["grad_norm"])
         assert b["all_gathers"] < a["all_gathers"], (b["all_gathers"], a["all_gathers"])
@@ -178,7 +212,7 @@ def test_fp8_gather_once_changes_the_gathers_not_the_numbers(
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_reduce_grads_once_changes_the_reduce_scatters_not_the_step(
-    tiny_models: dict[str, Path], tmp_path: Path, precision: str
+    tiny_models: dict[str, Path], sharded: dict[str, tuple[dict, Path]], precision: str
 ) -> None:
     """``optim.reduce_grads_once``: the micro-batches' gradients accumulate unsharded in fp32 and are reduce-scattered
     once a step, in the last micro-batch's backward; each rank's gradient shard is the same sum in another order, so
@@ -186,9 +220,8 @@ def test_reduce_grads_once_changes_the_reduce_scatters_not_the_step(
     weights to a bf16 rounding step). Rank 0 runs two micro-batches a step, rank 1 one and a padding one, both with
     loss tokens (so the reduce-scatter sums two ranks' accumulated gradients)."""
     model = tiny_models["tiny"]
-    flags = ("--precision", precision, "--loss-on-every-rank")
-    once = _sharded(model, tmp_path / "once", *flags, "--reduce-grads-once")
-    every = _sharded(model, tmp_path / "every", *flags)
+    # --precision PRECISION --loss-on-every-rank, with and without --reduce-grads-once
+    (once, _), (every, _) = sharded[f"reduce-once-{precision}"], sharded[f"reduce-every-{precision}"]
     units = (
         TorchTrainer(model, TrainerOptions(optim=OptimConfig(lr=2e-5, warmup_steps=0))).model.config.num_hidden_layers
         + 1
