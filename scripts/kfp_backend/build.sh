@@ -62,26 +62,11 @@ mkdir -p "$STAGE/bin" "$STAGE/crds"
 
 # --- KFP source: given, or cloned -------------------------------------------------------------------
 inside_repo() { case "$(realpath "$1")/" in "$ROOT"/*) return 0 ;; *) return 1 ;; esac; }
-if [ -n "${KFP_SRC:-}" ]; then
-    [ -d "$KFP_SRC" ] || die "KFP_SRC=$KFP_SRC is not a directory"
-    KFP_SRC="$(realpath "$KFP_SRC")"
-    src_from="KFP_SRC=$KFP_SRC"
-else
-    say "KFP_SRC is not set: cloning tag $KFP_VERSION of $KFP_GIT_URL"
-    if ! timeout 600 git clone --quiet --depth 1 --branch "$KFP_VERSION" "$KFP_GIT_URL" "$WORK/kfp-src" 2>"$WORK/clone.err"; then
-        say "$(tail -n 3 "$WORK/clone.err")"
-        die "no KFP source: the clone of $KFP_GIT_URL failed (above); set KFP_SRC=<dir of kubeflow/pipelines at tag $KFP_VERSION>"
-    fi
-    KFP_SRC="$WORK/kfp-src"
-    src_from="git clone --branch $KFP_VERSION $KFP_GIT_URL"
-fi
-inside_repo "$KFP_SRC" && die "KFP_SRC=$KFP_SRC is inside this repository: keep KFP's source outside it"
+# shellcheck source=scripts/kfp_backend/kfp_src.sh
+. "$ROOT/scripts/kfp_backend/kfp_src.sh"
+kfp_source
 [ "$(head -n1 "$KFP_SRC/go.mod" 2>/dev/null)" = "module github.com/kubeflow/pipelines" ] ||
     die "KFP_SRC=$KFP_SRC is not kubeflow/pipelines (its go.mod does not declare module github.com/kubeflow/pipelines)"
-src_version="$(tr -d '[:space:]' <"$KFP_SRC/VERSION" 2>/dev/null || true)"
-[ "$src_version" = "$KFP_VERSION" ] ||
-    die "KFP_SRC=$KFP_SRC is KFP '${src_version:-unknown}' (its VERSION file), not $KFP_VERSION: check out tag $KFP_VERSION"
-src_commit="$(git -C "$KFP_SRC" rev-parse HEAD 2>/dev/null || echo unknown)"
 grep -q "^[[:space:]]*$ARGO_MODULE $ARGO_VERSION\$" "$KFP_SRC/go.mod" ||
     die "KFP_SRC's go.mod does not require $ARGO_MODULE $ARGO_VERSION (this script pins that pair)"
 

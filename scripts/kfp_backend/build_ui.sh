@@ -43,24 +43,12 @@ trap 'rm -rf "$WORK"' EXIT
 STAGE="$WORK/stage"
 mkdir -p "$STAGE/bin"
 
-if [ -n "${KFP_SRC:-}" ]; then
-    [ -d "$KFP_SRC/frontend" ] || die "KFP_SRC=$KFP_SRC has no frontend/ directory"
-    KFP_SRC="$(realpath "$KFP_SRC")"
-    src_from="KFP_SRC=$KFP_SRC"
-else
-    say "KFP_SRC is not set: cloning tag $KFP_VERSION of $KFP_GIT_URL"
-    timeout 600 git clone --quiet --depth 1 --branch "$KFP_VERSION" "$KFP_GIT_URL" "$WORK/kfp-src" ||
-        die "no KFP source: the clone of $KFP_GIT_URL failed; set KFP_SRC=<dir of kubeflow/pipelines at tag $KFP_VERSION>"
-    KFP_SRC="$WORK/kfp-src"
-    src_from="git clone --branch $KFP_VERSION $KFP_GIT_URL"
-fi
-case "$KFP_SRC/" in "$ROOT"/*) die "KFP_SRC=$KFP_SRC is inside this repository: keep KFP's source outside it" ;; esac
-src_version="$(tr -d '[:space:]' <"$KFP_SRC/VERSION" 2>/dev/null || true)"
-[ "$src_version" = "$KFP_VERSION" ] ||
-    die "KFP_SRC=$KFP_SRC is KFP '${src_version:-unknown}' (its VERSION file), not $KFP_VERSION"
+# shellcheck source=scripts/kfp_backend/kfp_src.sh
+. "$ROOT/scripts/kfp_backend/kfp_src.sh"
+REQUIRE=frontend kfp_source
 
 INFO="$WORK/BUILD-INFO"
-echo "kfp $KFP_VERSION UI from $src_from (commit $(git -C "$KFP_SRC" rev-parse HEAD 2>/dev/null || echo unknown))" >"$INFO"
+echo "kfp $KFP_VERSION UI from $src_from (commit $src_commit)" >"$INFO"
 echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), nice -n 19" >>"$INFO"
 
 # step NAME CMD...: one timed, logged step; its log's tail on failure.
