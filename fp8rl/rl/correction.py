@@ -70,6 +70,19 @@ def ess_from_moments(weight_mean: Tensor, weight_sq_mean: Tensor, tokens: Tensor
     return torch.where(tokens > 0, ess.clamp(max=1.0), 1.0)  # Cauchy-Schwarz bounds it by 1: rounding above goes
 
 
+def _weights(
+    log_rho: Tensor, valid: Tensor, mask: Tensor, cfg: Correction, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``correction_stats``' weights and new mask for ``cfg``, and the tokens it clips (tis) or drops (mis)."""
+    if isinstance(cfg, TISCorrection):
+        flagged = valid & (log_rho > math.log(cfg.threshold))
+        return torch.where(valid, log_rho.clamp(max=math.log(cfg.threshold)).exp(), 0.0), mask, flagged
+    if isinstance(cfg, MISCorrection):
+        keep = valid & (log_rho >= math.log(cfg.low)) & (log_rho <= math.log(cfg.high))
+        return keep.to(dtype), torch.where(keep, mask, torch.zeros_like(mask)), valid & ~keep
+    return valid.to(dtype), mask, None
+
+
 def correction_stats(
     train_logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -109,19 +122,7 @@ def correction_stats(
     if isinstance(cfg, TISCorrection | MISCorrection) and cfg.level == "sequence":
         log_rho = masked_sum(log_rho, valid, dim=1)[:, None].expand_as(log_rho)
 
-    new_mask = mask
-    flagged: Tensor | None = None
-    if isinstance(cfg, TISCorrection):
-        flagged = valid & (log_rho > math.log(cfg.threshold))
-        weights = torch.where(valid, log_rho.clamp(max=math.log(cfg.threshold)).exp(), 0.0)
-    elif isinstance(cfg, MISCorrection):
-        keep = valid & (log_rho >= math.log(cfg.low)) & (log_rho <= math.log(cfg.high))
-        flagged = valid & ~keep
-        weights = keep.to(dtype)
-        new_mask = torch.where(keep, mask, torch.zeros_like(mask))
-    else:
-        weights = valid.to(dtype)
-
+    weights, new_mask, flagged = _weights(log_rho, valid, mask, cfg, dtype)
     stats = {
         "is_weight_mean": masked_mean(weights, valid).double(),
         "is_weight_max": masked_max(weights, valid).double(),
