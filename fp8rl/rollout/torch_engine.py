@@ -143,11 +143,7 @@ class TorchRolloutEngine:
                 f"sampling.max_tokens {sampling.max_tokens} + the longest prompt ({width} tokens) exceed the model's "
                 f"max_position_embeddings {limit}"
             )
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=self.device)
-        attn = torch.zeros((n, width), dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompt_ids):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p, device=self.device)
-            attn[i, width - len(p) :] = 1
+        ids, attn = self._left_padded(prompt_ids, width)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
@@ -188,6 +184,15 @@ class TorchRolloutEngine:
             finished=finished.cpu(),
             policy_version=self.policy_version,
         )
+
+    def _left_padded(self, prompt_ids: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded to ``width``: token ids and attention mask, [N, width] each."""
+        ids = torch.full((len(prompt_ids), width), self.pad_token_id, dtype=torch.long, device=self.device)
+        attn = torch.zeros((len(prompt_ids), width), dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompt_ids):
+            ids[i, width - len(p) :] = torch.tensor(p, device=self.device)
+            attn[i, width - len(p) :] = 1
+        return ids, attn
 
     @staticmethod
     def _sample(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
