@@ -61,7 +61,6 @@ STAGE="$WORK/kfp-$KFP_VERSION"
 mkdir -p "$STAGE/bin" "$STAGE/crds"
 
 # --- KFP source: given, or cloned -------------------------------------------------------------------
-inside_repo() { case "$(realpath "$1")/" in "$ROOT"/*) return 0 ;; *) return 1 ;; esac; }
 # shellcheck source=scripts/kfp_backend/kfp_src.sh
 . "$ROOT/scripts/kfp_backend/kfp_src.sh"
 kfp_source

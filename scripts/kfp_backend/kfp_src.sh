@@ -3,6 +3,9 @@
 #   KFP_SRC=<dir>  a checkout or export of kubeflow/pipelines at tag KFP_VERSION (its VERSION file is checked);
 #                  without it, that tag is cloned from KFP_GIT_URL where the network allows.
 # REQUIRE (optional): a path the source must have, checked before anything else (build_ui.sh: frontend).
+# inside_repo DIR: whether DIR lies inside this repository (sources read or built must stay outside it).
+
+inside_repo() { case "$(realpath "$1")/" in "$ROOT"/*) return 0 ;; *) return 1 ;; esac; }
 
 kfp_source() {
     if [ -n "${KFP_SRC:-}" ]; then
@@ -20,7 +23,7 @@ kfp_source() {
         KFP_SRC="$WORK/kfp-src"
         src_from="git clone --branch $KFP_VERSION $KFP_GIT_URL"
     fi
-    case "$KFP_SRC/" in "$ROOT"/*) die "KFP_SRC=$KFP_SRC is inside this repository: keep KFP's source outside it" ;; esac
+    ! inside_repo "$KFP_SRC" || die "KFP_SRC=$KFP_SRC is inside this repository: keep KFP's source outside it"
     local version
     version="$(tr -d '[:space:]' <"$KFP_SRC/VERSION" 2>/dev/null || true)"
     [ "$version" = "$KFP_VERSION" ] ||
