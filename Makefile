@@ -9,14 +9,19 @@ WORK ?= work
 # helm, kubeconform and the Kubernetes/KubeRay schemas (scripts/k8s_tools.sh), and the local control plane of
 # the cluster tests (scripts/k8s_control_plane.sh): built from Go modules, cached
 K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
+# The venv is installed by uv (from PyPI into the venv): parallel downloads, and the packages hard-linked from its
+# cache (~/.cache/uv), so a second venv takes seconds and almost no disk. The system's CA store (a TLS proxy's CA);
+# PIP_INDEX_URL, where set, is the index.
+UV_VERSION ?= 0.13.9
+UV_INSTALL := UV_NATIVE_TLS=1 $(BIN)/uv pip install --python $(BIN)/python $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL))
 
 .PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
+	$(UV_INSTALL) -q -c constraints.txt -e ".[dev]"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
@@ -64,7 +69,7 @@ cluster-down:
 KFP_IMAGES := localhost/fp8rl-kfp-driver:2.17.0 localhost/fp8rl-kfp-launcher:2.17.0 localhost/fp8rl-argoexec:v4.0.5
 e2e: k8s-tools node-deps images
 	scripts/container_tools.sh --node --ui
-	$(BIN)/python -m pip install -q -c constraints.txt playwright
+	$(UV_INSTALL) -q -c constraints.txt playwright
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/kfp_backend/images.sh
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py --down
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down

@@ -205,6 +205,8 @@ def real_cluster(cluster_tools: Path, tmp_path_factory: pytest.TempPathFactory) 
         node.start()
         t0 = time.monotonic()
         print(f"\n[real node] {node.import_local_image(image)} ({time.monotonic() - t0:.0f} s)", flush=True)
+        # its layers are held once, unpacked (the pods below start from them), not also as blobs
+        assert node.discard_layer_blobs(image) == 0, "the import left the image's layer blobs in the content store"
         core = __import__("kubernetes").client.CoreV1Api(_api_client(cp))
         _wait(lambda: any(_node_ready(n) for n in core.list_node().items), 60, "the real node Ready")
     except BaseException:
