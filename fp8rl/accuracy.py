@@ -141,17 +141,7 @@ def run_study(
             for r in active:
                 _stop(r)
             break
-        for r in list(active):
-            rc = r.proc.poll() if r.proc is not None else None
-            if rc is None:
-                continue
-            active.remove(r)
-            if rc == 0:
-                atomic_write_text(r.directory / DONE_FILE, f"{time.time():.0f}\n")
-                log(f"  {r.name}: done in {time.monotonic() - r.started:.0f}s")
-            else:
-                failed.append(r.name)
-                log(f"  {r.name}: failed (exit {rc}); see {r.directory / 'train.log'}")
+        _reap(active, failed, log)
         if queue and len(active) < parallel and time.monotonic() - last_launch >= stagger_s:
             r = queue.pop(0)
             _launch(r, parent_id, python)
@@ -165,6 +155,22 @@ def run_study(
         "failed": failed,
         "pending": [r.name for r in runs if not r.done and r.name not in failed],
     }
+
+
+def _reap(active: list[StudyRun], failed: list[str], log: Callable[[str], None]) -> None:
+    """Take the runs that exited out of ``active``: a run that succeeded is marked done, one that failed is named
+    in ``failed``."""
+    for r in list(active):
+        rc = r.proc.poll() if r.proc is not None else None
+        if rc is None:
+            continue
+        active.remove(r)
+        if rc == 0:
+            atomic_write_text(r.directory / DONE_FILE, f"{time.time():.0f}\n")
+            log(f"  {r.name}: done in {time.monotonic() - r.started:.0f}s")
+        else:
+            failed.append(r.name)
+            log(f"  {r.name}: failed (exit {rc}); see {r.directory / 'train.log'}")
 
 
 def _check_study(cfgs: Sequence[RunConfig]) -> None:

@@ -38,6 +38,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape", default=None, help="random weights of a shape: tiny | small | llama-1b | llama-3b | llama-8b"
     )
     add_recipes_argument(p, DEFAULT_RECIPES)
+    _add_batch_arguments(p)
+    add_device_argument(p)
+    p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
+    p.add_argument("--work-dir", default=None, help="models, runs and the MLflow store (default: the config's, work)")
+    p.add_argument(
+        "--output-dir", "--out", dest="out", default=None,
+        help="directory for bench_step.json, .md and .png (default WORK/bench-step; --out is the same)",
+    )  # fmt: skip
+    p.add_argument("--experiment", default="fp8rl-bench", help="MLflow experiment (default: fp8rl-bench)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
+    add_ray_arguments(p)
+    add_set_argument(p)
+    _add_run_arguments(p)
+
+
+def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The batch and the number of steps."""
     p.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default {DEFAULTS['prompts']})")
     p.add_argument("--samples", type=int, default=None, help=f"responses per prompt (default {DEFAULTS['samples']})")
     p.add_argument(
@@ -54,17 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--micro-batch-tokens", type=int, default=None,
         help="trainer micro-batch size in padded tokens (default: the config's optim.micro_batch_tokens, else 16384)",
     )  # fmt: skip
-    add_device_argument(p)
-    p.add_argument("--config", default=None, help="a run config whose other settings apply (engine, trainer, ray)")
-    p.add_argument("--work-dir", default=None, help="models, runs and the MLflow store (default: the config's, work)")
-    p.add_argument(
-        "--output-dir", "--out", dest="out", default=None,
-        help="directory for bench_step.json, .md and .png (default WORK/bench-step; --out is the same)",
-    )  # fmt: skip
-    p.add_argument("--experiment", default="fp8rl-bench", help="MLflow experiment (default: fp8rl-bench)")
-    p.add_argument("--no-mlflow", action="store_true", help="do not log the comparison to MLflow")
-    add_ray_arguments(p)
-    add_set_argument(p)
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """How the recipes run: sync checks, profiling, resuming, one process or one each."""
     p.add_argument(
         "--verify-sync", action="store_true",
         help="check every weight sync bit for bit, its time counted in the sync's (default: off, timing only)",

@@ -45,17 +45,7 @@ def grpo_advantages(
     Raises ValueError for a non-1-D ``rewards``, ``group_size < 1``, ``N`` not a
     multiple of ``group_size``, or ``leave_one_out`` with ``group_size < 2``.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N], got shape {list(rewards.shape)}")
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"{rewards.numel()} rewards do not split into groups of {group_size}: N must be num_prompts * group_size"
-        )
-    if leave_one_out and group_size < 2:
-        raise ValueError(f"leave_one_out needs group_size >= 2 (a baseline from the others), got {group_size}")
-
+    _check_groups(rewards, group_size, leave_one_out)
     r = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
     if leave_one_out:
         baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
@@ -67,3 +57,16 @@ def grpo_advantages(
         adv = adv / (std + eps)
     constant_group = (r == r[:, :1]).all(dim=1, keepdim=True)
     return torch.where(constant_group, torch.zeros_like(adv), adv).reshape(-1)
+
+
+def _check_groups(rewards: Tensor, group_size: int, leave_one_out: bool) -> None:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {list(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of {group_size}: N must be num_prompts * group_size"
+        )
+    if leave_one_out and group_size < 2:
+        raise ValueError(f"leave_one_out needs group_size >= 2 (a baseline from the others), got {group_size}")

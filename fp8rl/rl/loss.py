@@ -165,18 +165,22 @@ def policy_loss_stats(inp: PolicyLossInput, cfg: GRPOConfig) -> tuple[Tensor, di
         if cfg.kl_coef > 0.0:
             token_loss = pg_token + cfg.kl_coef * kl
     loss = aggregate_token_loss(token_loss, valid, cfg.loss_agg)
-
     with torch.no_grad():
-        stats = {
-            "loss": loss,
-            "pg_loss": aggregate_token_loss(pg_token, valid, cfg.loss_agg) if kl is not None else loss,
-            "ratio_mean": masked_mean(ratio, valid),
-            "ratio_max": masked_max(ratio, valid),
-            "clip_frac_low": masked_mean(((adv < 0) & (ratio < 1.0 - cfg.clip_low)).to(dtype), valid),
-            "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1.0 + cfg.clip_high)).to(dtype), valid),
-        }
-        if cfg.dual_clip is not None:
-            stats["clip_frac_dual"] = masked_mean(((adv < 0) & (ratio > cfg.dual_clip)).to(dtype), valid)
+        pg_loss = aggregate_token_loss(pg_token, valid, cfg.loss_agg) if kl is not None else loss
+        stats = {"loss": loss, "pg_loss": pg_loss, **_ratio_stats(ratio, adv, valid, cfg)}
         if kl is not None:
             stats["kl_ref"] = masked_mean(kl, valid)
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def _ratio_stats(ratio: Tensor, adv: Tensor, valid: Tensor, cfg: GRPOConfig) -> dict[str, Tensor]:
+    """The ratio's mean and max, and the fractions of valid tokens whose clipped branch is active."""
+    stats = {
+        "ratio_mean": masked_mean(ratio, valid),
+        "ratio_max": masked_max(ratio, valid),
+        "clip_frac_low": masked_mean(((adv < 0) & (ratio < 1.0 - cfg.clip_low)).to(ratio.dtype), valid),
+        "clip_frac_high": masked_mean(((adv > 0) & (ratio > 1.0 + cfg.clip_high)).to(ratio.dtype), valid),
+    }
+    if cfg.dual_clip is not None:
+        stats["clip_frac_dual"] = masked_mean(((adv < 0) & (ratio > cfg.dual_clip)).to(ratio.dtype), valid)
+    return stats

@@ -172,8 +172,13 @@ def calibrate_kv_scales(
             )
     finally:
         collector.remove()
-    keys = list(collector.stats)
-    stacked = torch.stack([collector.stats[k].to(device) for k in keys]) if keys else torch.zeros(0, 2)
+    return _scales(_read_stats(collector.stats, device), margin)
+
+
+def _read_stats(stats: dict[tuple[int, str], torch.Tensor], device: torch.device) -> dict[tuple[int, str], list[float]]:
+    """The collected (quantile, amax) pairs read back in one copy; non-finite ones (diverged weights) fail."""
+    keys = list(stats)
+    stacked = torch.stack([stats[k].to(device) for k in keys]) if keys else torch.zeros(0, 2)
     read = dict(zip(keys, stacked.tolist(), strict=True))
     bad = [f"layer {layer} {kind}" for (layer, kind), (quant, amax) in read.items() if not math.isfinite(amax + quant)]
     if bad:
@@ -181,6 +186,10 @@ def calibrate_kv_scales(
             f"FP8 KV calibration: non-finite activations in {', '.join(bad[:4])}: the policy's weights have diverged "
             "(NaN or inf); no scales can be set from them"
         )
+    return read
+
+
+def _scales(read: dict[tuple[int, str], list[float]], margin: float) -> dict[int, KVScales]:
     out = {}
     for layer in sorted({layer for layer, _ in read}):
         q, k, v = (read.get((layer, kind), [0.0, 0.0]) for kind in "qkv")

@@ -130,19 +130,9 @@ class TorchRolloutEngine:
     # ---- generation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
-        if self.asleep:
-            raise RuntimeError("the rollout engine is asleep (colocated with training); wake_up() first")
+        width = self._check_request(prompt_ids, sampling)
         n = len(prompt_ids)
-        if n == 0 or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("generate needs at least one non-empty prompt")
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        width = max(len(p) for p in prompt_ids)
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if limit is not None and width + sampling.max_tokens > limit:
-            raise ValueError(
-                f"sampling.max_tokens {sampling.max_tokens} + the longest prompt ({width} tokens) exceed the model's "
-                f"max_position_embeddings {limit}"
-            )
         ids, attn = self._left_padded(prompt_ids, width)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -184,6 +174,21 @@ class TorchRolloutEngine:
             finished=finished.cpu(),
             policy_version=self.policy_version,
         )
+
+    def _check_request(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> int:
+        """The longest prompt's length, once the engine is awake and the prompts and responses fit the model."""
+        if self.asleep:
+            raise RuntimeError("the rollout engine is asleep (colocated with training); wake_up() first")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate needs at least one non-empty prompt")
+        width = max(len(p) for p in prompt_ids)
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and width + sampling.max_tokens > limit:
+            raise ValueError(
+                f"sampling.max_tokens {sampling.max_tokens} + the longest prompt ({width} tokens) exceed the model's "
+                f"max_position_embeddings {limit}"
+            )
+        return width
 
     def _left_padded(self, prompt_ids: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts left-padded to ``width``: token ids and attention mask, [N, width] each."""

@@ -179,21 +179,7 @@ class VLLMRolloutEngine:
         self._vllm = vllm
         check_engine_kwargs(self.rollout, vllm)
         check_attention_backend(self.rollout.vllm_attention_backend(fp8_cache=recipe.kv_cache == "fp8"))
-        self.spec = recipe.quant.spec()
-        self.checkpoint = serving_checkpoint(model_dir, recipe, work_dir)
-        self.model_config = read_model_config(self.checkpoint)
-        self.fp8_modules = fp8_module_names_from_config(self.model_config, recipe)
-        self.partial_tile_note = partial_tile_note(self.checkpoint, self.fp8_modules, recipe)
-        if self.partial_tile_note:
-            print(f"[{recipe.name}] {self.partial_tile_note}", file=sys.stderr, flush=True)
-        self._fp8 = {m + ".weight" for m in self.fp8_modules}
-        self.tp = self.rollout.tensor_parallel_size
-        problem = tp_layout_problem(
-            self.model_config, self.tp, recipe.rollout_precision == "fp8" and self.spec.granularity == "block"
-        )
-        if problem:
-            raise UserError(problem)
-        self.layout = fused_layout(self.model_config, self.tp)
+        self._serve(model_dir, work_dir)
         tokens = special_tokens(self.checkpoint)  # config, generation config and tokenizer agree on the stops
         self.stop_token_ids = list(tokens.stop_ids)
         self.eos_token_id, self.pad_token_id = tokens.eos_id, tokens.pad_id
@@ -210,6 +196,26 @@ class VLLMRolloutEngine:
             self.tp_rank = get_tensor_model_parallel_rank()
         self._model = vllm_patches.engine_model(self.llm)
         self._check_layout()
+
+    def _serve(self, model_dir: str | os.PathLike[str], work_dir: str | os.PathLike[str]) -> None:
+        """The checkpoint vLLM serves (converted for the recipe when needed), its FP8 modules and tensor-parallel
+        layout; a layout vLLM cannot cut fails here."""
+        recipe = self.recipe
+        self.spec = recipe.quant.spec()
+        self.checkpoint = serving_checkpoint(model_dir, recipe, work_dir)
+        self.model_config = read_model_config(self.checkpoint)
+        self.fp8_modules = fp8_module_names_from_config(self.model_config, recipe)
+        self.partial_tile_note = partial_tile_note(self.checkpoint, self.fp8_modules, recipe)
+        if self.partial_tile_note:
+            print(f"[{recipe.name}] {self.partial_tile_note}", file=sys.stderr, flush=True)
+        self._fp8 = {m + ".weight" for m in self.fp8_modules}
+        self.tp = self.rollout.tensor_parallel_size
+        problem = tp_layout_problem(
+            self.model_config, self.tp, recipe.rollout_precision == "fp8" and self.spec.granularity == "block"
+        )
+        if problem:
+            raise UserError(problem)
+        self.layout = fused_layout(self.model_config, self.tp)
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, model_dir: str | os.PathLike[str], device: str) -> VLLMRolloutEngine:
