@@ -360,13 +360,7 @@ def convert_checkpoint(
         bar.close()
         if layout.sharded:
             write_index(tmp, layout.files, weight_map)
-        cfg_out = {
-            **cfg,
-            "quantization_config": quantization_config(
-                opts.granularity, opts.weight_block, not_converted_modules(kept) + list(partial), opts.fmt
-            ),
-        }
-        (tmp / "config.json").write_text(json.dumps(cfg_out, indent=2) + "\n")
+        _write_config(tmp, cfg, opts, kept, partial)
         copy_side_files(src_path, tmp, {*layout.files, INDEX_NAME, "config.json"})
         report = ConversionReport(
             source=str(src_path),
@@ -379,6 +373,15 @@ def convert_checkpoint(
         report.bytes_after = sum((tmp / f).stat().st_size for f in layout.files)
         _write_report_and_manifest(tmp, src_path, layout.files, report, opts, spec)
     return report
+
+
+def _write_config(
+    dst: Path, cfg: dict[str, Any], opts: ConvertOptions, kept: set[int], partial: dict[str, dict[str, Any]]
+) -> None:
+    """The source's config.json with the FP8 checkpoint's ``quantization_config``."""
+    modules = not_converted_modules(kept) + list(partial)
+    quant = quantization_config(opts.granularity, opts.weight_block, modules, opts.fmt)
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}, indent=2) + "\n")
 
 
 def _write_report_and_manifest(
