@@ -10,8 +10,10 @@ WORK ?= work
 # the cluster tests (scripts/k8s_control_plane.sh): built from Go modules, cached
 K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 # The venv is installed by uv (from PyPI into the venv): parallel downloads, and the packages hard-linked from its
-# cache (~/.cache/uv), so a second venv takes seconds and almost no disk. The system's CA store (a TLS proxy's CA);
-# PIP_INDEX_URL, where set, is the index.
+# cache (~/.cache/uv), so a second venv takes seconds and almost no disk. --compile-bytecode as pip does: without
+# the .pyc files (uv writes none by default) every process compiles what it imports, twice the CPU of an import of
+# torch + transformers + MLflow, each time where PYTHONDONTWRITEBYTECODE is set. The system's CA store (a TLS
+# proxy's CA); PIP_INDEX_URL, where set, is the index.
 UV_VERSION ?= 0.13.9
 UV_INSTALL := UV_NATIVE_TLS=1 $(BIN)/uv pip install --python $(BIN)/python $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL))
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
-	$(UV_INSTALL) -q -c constraints.txt -e ".[dev]"
+	$(UV_INSTALL) -q --compile-bytecode -c constraints.txt -e ".[dev]"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
