@@ -35,19 +35,14 @@ def rl_step(
         kfp_tags,
         log_kfp_metrics,
         read_run_ref,
+        rl_step_config,
         run_metrics,
         runs_fail_with_the_step,
     )
-    from components.runtime import run_config as make_config
-    from fp8rl.errors import UserError
 
     check_backend(backend)
     ref = read_run_ref(mlflow_run)
-    if backend == "process" and "ray" in run_config:
-        raise UserError("run_config.ray: backend 'process' runs without Ray; leave ray out or use backend 'local'")
-    if backend == "local" and "ray" not in run_config:
-        run_config = {**run_config, "ray": {}}  # RayConfig's defaults: one trainer and one rollout worker
-    cfg = make_config(recipe, steps, seed, run_config, ref)
+    cfg = rl_step_config(backend, recipe, steps, seed, run_config, ref)
     tags = kfp_tags(pipeline_name, kfp_run_id, "rl-step")
     with runs_fail_with_the_step(ref, "rl-step", recipe, seed):
         if backend in ("local", "process"):

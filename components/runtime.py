@@ -86,6 +86,18 @@ def run_config(recipe: str, steps: int, seed: int, overrides: Mapping[str, Any],
     return parse_run_config({**overrides, **fixed}, source="run_config parameter")
 
 
+def rl_step_config(
+    backend: str, recipe: str, steps: int, seed: int, overrides: Mapping[str, Any], ref: MlflowRunRef
+) -> RunConfig:
+    """``run_config`` for the RL step on ``backend``: ``process`` runs without Ray (``overrides.ray`` refused),
+    ``local`` on RayConfig's defaults (one trainer, one rollout worker) unless ``overrides`` has a ``ray``."""
+    if backend == "process" and "ray" in overrides:
+        raise UserError("run_config.ray: backend 'process' runs without Ray; leave ray out or use backend 'local'")
+    if backend == "local" and "ray" not in overrides:
+        overrides = {**overrides, "ray": {}}
+    return run_config(recipe, steps, seed, overrides, ref)
+
+
 def log_kfp_metrics(artifact: Metrics, metrics: Mapping[str, float]) -> None:
     """Scalars into a KFP Metrics artifact; non-finite values are left out (the IR's JSON has no NaN)."""
     for key, value in sorted(metrics.items()):

@@ -158,40 +158,42 @@ def check_targets(records: Sequence[RunRecord], min_gain: float = 0.10, e2e_tole
         gain = end[BF16] - statistics.fmean(r.accuracy_start for r in by[BF16])
         targets.append(Target(f"bf16 improves >= {min_gain:.2f} over step 0", gain >= min_gain, f"gain {gain:+.3f}"))
     e2e = [k for k in by if k.startswith(E2E_PREFIX)]
-    for k in e2e:
-        if BF16 not in by:
-            targets.append(Target(f"{k} final accuracy matches bf16", None, "no bf16 runs"))
-            continue
-        steps, bf16_steps = min(r.steps for r in by[k]), min(r.steps for r in by[BF16])
-        if steps < bf16_steps:
-            detail = f"stopped at step {steps}, bf16 evaluated at step {bf16_steps}: not comparable"
-            targets.append(Target(f"{k} final accuracy matches bf16", None, detail))
-            continue
-        lo, hi = min(r.accuracy_end for r in by[BF16]), max(r.accuracy_end for r in by[BF16])
-        ok = lo <= end[k] <= hi or end[k] >= end[BF16] - e2e_tolerance
-        detail = f"{end[k]:.3f} vs bf16 {end[BF16]:.3f} (seeds {lo:.3f}..{hi:.3f})"
-        targets.append(Target(f"{k} final within bf16's spread or <= {e2e_tolerance:.2f} below", ok, detail))
+    targets += [_e2e_accuracy_target(k, by, end, e2e_tolerance) for k in e2e]
     if BF16 in by and ROLLOUT_NO_IS in by:
         for k in e2e:
             ok = tmpe[BF16] < tmpe[k] < tmpe[ROLLOUT_NO_IS]
             detail = f"{tmpe[BF16]:.4f} < {tmpe[k]:.4f} < {tmpe[ROLLOUT_NO_IS]:.4f}"
             targets.append(Target(f"token_mult_prob_error bf16 < {k} < {ROLLOUT_NO_IS}", ok, detail))
     if {BF16, ROLLOUT_NO_IS, ROLLOUT_TIS} <= by.keys():
-        gap = end[BF16] - end[ROLLOUT_NO_IS]
-        noise = max(_mean_std([r.accuracy_end for r in by[k]])[1] for k in (BF16, ROLLOUT_NO_IS))
-        if 0 < gap <= noise:
-            detail = f"gap {gap:.3f} is within the seeds' spread (std up to {noise:.3f}): no gap to close"
-            targets.append(Target("token TIS closes >= half the gap", None, detail))
-        elif gap <= 0:
-            targets.append(
-                Target("token TIS closes >= half the gap", None, f"no gap: {ROLLOUT_NO_IS} - bf16 = {-gap:+.3f}")
-            )
-        else:
-            closed = (end[ROLLOUT_TIS] - end[ROLLOUT_NO_IS]) / gap
-            targets.append(
-                Target("token TIS closes >= half the gap", closed >= 0.5, f"closes {closed:.0%} of {gap:.3f}")
-            )
+        targets.append(_tis_target(by, end))
     return targets
+
+
+def _e2e_accuracy_target(k: str, by: dict[str, list[RunRecord]], end: dict[str, float], e2e_tolerance: float) -> Target:
+    """Target 2 of ``check_targets`` for the ``fp8-e2e*`` recipe ``k``."""
+    if BF16 not in by:
+        return Target(f"{k} final accuracy matches bf16", None, "no bf16 runs")
+    steps, bf16_steps = min(r.steps for r in by[k]), min(r.steps for r in by[BF16])
+    if steps < bf16_steps:
+        detail = f"stopped at step {steps}, bf16 evaluated at step {bf16_steps}: not comparable"
+        return Target(f"{k} final accuracy matches bf16", None, detail)
+    lo, hi = min(r.accuracy_end for r in by[BF16]), max(r.accuracy_end for r in by[BF16])
+    ok = lo <= end[k] <= hi or end[k] >= end[BF16] - e2e_tolerance
+    detail = f"{end[k]:.3f} vs bf16 {end[BF16]:.3f} (seeds {lo:.3f}..{hi:.3f})"
+    return Target(f"{k} final within bf16's spread or <= {e2e_tolerance:.2f} below", ok, detail)
+
+
+def _tis_target(by: dict[str, list[RunRecord]], end: dict[str, float]) -> Target:
+    """Target 4 of ``check_targets``: how much of the fp8-rollout-without-correction gap token TIS closes."""
+    gap = end[BF16] - end[ROLLOUT_NO_IS]
+    noise = max(_mean_std([r.accuracy_end for r in by[k]])[1] for k in (BF16, ROLLOUT_NO_IS))
+    if 0 < gap <= noise:
+        detail = f"gap {gap:.3f} is within the seeds' spread (std up to {noise:.3f}): no gap to close"
+        return Target("token TIS closes >= half the gap", None, detail)
+    if gap <= 0:
+        return Target("token TIS closes >= half the gap", None, f"no gap: {ROLLOUT_NO_IS} - bf16 = {-gap:+.3f}")
+    closed = (end[ROLLOUT_TIS] - end[ROLLOUT_NO_IS]) / gap
+    return Target("token TIS closes >= half the gap", closed >= 0.5, f"closes {closed:.0%} of {gap:.3f}")
 
 
 def _pm(ms: tuple[float, float]) -> str:

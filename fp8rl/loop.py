@@ -323,9 +323,7 @@ def run_rl(
     rng = random.Random(cfg.seed)
     name = cfg.recipe.name
     parts = parts or build_parts(cfg, model_dir, device)
-    sink.log_params(parts.fp8_linears)
-    log(f"[{name}] FP8 linears: {parts.fp8_linears.get('fp8_linears_engine', 0)} in the rollout engine, "
-        f"{parts.fp8_linears.get('fp8_linears_trainer', 0)} in the trainer")  # fmt: skip
+    _log_fp8_linears(parts, sink, name, log)
     train_pool, heldout = task_examples(cfg)
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None and cfg.checkpoint_every else None
     out = MetricsBuffer(sink, buffered=ckpt is not None)
@@ -351,6 +349,13 @@ def run_rl(
         parts.save_policy(output_dir)
         log(f"[{name}] trained policy saved to {output_dir}")
     return result
+
+
+def _log_fp8_linears(parts: Parts, sink: MetricsSink, name: str, log: Callable[[str], None]) -> None:
+    """How many linears the engine and the trainer run in FP8: a run parameter, and a line of the log."""
+    sink.log_params(parts.fp8_linears)
+    log(f"[{name}] FP8 linears: {parts.fp8_linears.get('fp8_linears_engine', 0)} in the rollout engine, "
+        f"{parts.fp8_linears.get('fp8_linears_trainer', 0)} in the trainer")  # fmt: skip
 
 
 def _start_or_resume(

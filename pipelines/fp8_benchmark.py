@@ -1,4 +1,11 @@
-"""``fp8-benchmark``: settings -> prepare -> FP8 conversion -> per recipe (throughput benchmark) -> report."""
+"""``fp8-benchmark``: settings -> prepare -> FP8 conversion -> per recipe (throughput benchmark) -> report.
+
+Each recipe is benchmarked from the same checkpoint, as one child MLflow run of one comparison run. Parameters:
+- ``preset``: a named layout of ``fp8rl bench step --preset`` (e.g. ``llama-1b-1gpu``): its recipes, model shape
+  (random weights), steps, batch and run-config settings, ``run_config`` over them.
+- ``recipes`` empty, ``model_source`` empty, ``bench_steps`` 0 and ``warmup_steps`` -1 mean the preset's (without
+  one: bf16, fp8-rollout, fp8-e2e; the ``tiny`` model; 5 and 2).
+"""
 
 from typing import Any
 
@@ -47,12 +54,7 @@ def build(
         mlflow_secret: str = DEFAULT_MLFLOW_SECRET,
         hf_secret: str = DEFAULT_HF_SECRET,
     ) -> None:
-        """Each recipe is benchmarked from the same checkpoint, as one child MLflow run of one comparison run.
-
-        ``preset``: a named layout of ``fp8rl bench step --preset`` (e.g. ``llama-1b-1gpu``): its recipes, model
-        shape (random weights), steps, batch and run-config settings, ``run_config`` over them.  ``recipes`` empty,
-        ``model_source`` empty, ``bench_steps`` 0 and ``warmup_steps`` -1 mean the preset's (without one: bf16,
-        fp8-rollout, fp8-e2e; the ``tiny`` model; 5 and 2)."""
+        """The pipeline's parameters: the module docstring."""
         refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)

@@ -1,5 +1,15 @@
 """``recipe-comparison``: prepare -> SFT warm-up -> FP8 conversion [-> mismatch diagnosis] -> per recipe (RL step ->
-evaluate -> benchmark) -> compare."""
+evaluate -> benchmark) -> compare.
+
+Every recipe starts from the same warmed-up checkpoint and is one child MLflow run of one comparison run. Parameters:
+- ``seed``: the model's initial weights (a tiny preset), the SFT warm-up and, without ``seeds``, the RL run.
+- ``seeds``: every recipe runs once per seed (its own RL step, evaluation and benchmark, its own MLflow run).
+- ``run_config``: further RunConfig fields for every recipe (e.g. ``{"grpo": {"prompts_per_step": 8}}``).
+- ``backend``: ``rayjob`` (a KubeRay RayJob per RL step) or ``local`` (in the step's process).
+- ``diagnose``: first attribute ``convert_recipe``'s FP8 mismatch to layers on the warmed-up model and recommend the
+  BF16 layers that bring it under ``diagnose_target`` (``fp8rl diagnose``).  It runs beside the RL steps (KFP lets
+  no task outside a condition wait on one inside it); its report is advisory.
+"""
 
 from typing import Any
 
@@ -50,16 +60,7 @@ def build(
         diagnose: bool = False,
         diagnose_target: float = 1.02,
     ) -> None:
-        """Every recipe starts from the same warmed-up checkpoint and is one child MLflow run of one comparison run.
-
-        ``seed``: the model's initial weights (a tiny preset), the SFT warm-up and, without ``seeds``, the RL run.
-        ``seeds``: every recipe runs once per seed (its own RL step, evaluation and benchmark, its own MLflow run).
-        ``run_config``: further RunConfig fields for every recipe (e.g. ``{"grpo": {"prompts_per_step": 8}}``).
-        ``backend``: ``rayjob`` (a KubeRay RayJob per RL step) or ``local`` (in the step's process).
-        ``diagnose``: first attribute ``convert_recipe``'s FP8 mismatch to layers on the warmed-up model and
-        recommend the BF16 layers that bring it under ``diagnose_target`` (``fp8rl diagnose``).  It runs beside
-        the RL steps (KFP lets no task outside a condition wait on one inside it); its report is advisory.
-        """
+        """The pipeline's parameters: the module docstring."""
         refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)

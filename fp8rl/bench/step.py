@@ -265,7 +265,16 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
             f"| {r.sync_s:.3f} | {r.idle_s:.2f} | {r.rollout_tokens_per_s:,.0f} | {x('rollout')} | "
             f"{r.train_tokens_per_s:,.0f} | {x('train')} | {r.padding_waste:.1%} | {peak} |"
         )
-    notes = []
+    notes = _report_notes(results)
+    if notes:
+        lines += ["", *notes]
+    lines += profile_table(results)
+    return doc, "\n".join(lines) + "\n"
+
+
+def _report_notes(results: Sequence[ThroughputResult]) -> list[str]:
+    """The lines under the step table: each recipe's sync, offload and allocator notes, and what peak GB is."""
+    notes: list[str] = []
     for r in results:
         parts = [
             f"FP8 KV-cache recalibration {r.kv_calibrate_s:.3f} s of the sync" if r.kv_calibrate_s is not None else "",
@@ -285,10 +294,7 @@ def report(results: Sequence[ThroughputResult], meta: dict[str, Any]) -> tuple[d
                      "included), sampled over the timed steps")  # fmt: skip
     elif any(r.peak_allocated_gb is not None for r in results):
         notes.append("- peak GB: this process's peak CUDA allocation over the timed steps (torch's allocator)")
-    if notes:
-        lines += ["", *notes]
-    lines += profile_table(results)
-    return doc, "\n".join(lines) + "\n"
+    return notes
 
 
 def run_metadata(model: str, bench: StepBench, results: Sequence[ThroughputResult], cfg: RunConfig) -> dict[str, Any]:

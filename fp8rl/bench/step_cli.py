@@ -112,6 +112,16 @@ def resolve_preset(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     return sizes, config
 
 
+def _bench_model(args: argparse.Namespace, work: str | Path, device: str) -> Path:
+    """``--model DIR``, or ``--shape NAME``'s random weights made under ``<work>/bench-models/NAME``."""
+    if not args.shape:
+        return Path(args.model)
+    from fp8rl.models.shapes import make_shape_model
+
+    print(f"bench step: random {args.shape} weights -> {Path(work) / 'bench-models' / args.shape}", flush=True)
+    return make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)
+
+
 def main_with_args(args: argparse.Namespace) -> int:
     """``fp8rl bench step``: every recipe's timed steps, the table, JSON, Markdown, plot and MLflow comparison."""
     from fp8rl.bench.step import (
@@ -124,7 +134,6 @@ def main_with_args(args: argparse.Namespace) -> int:
         write_outputs,
     )  # fmt: skip
     from fp8rl.devices import resolve_device
-    from fp8rl.models.shapes import make_shape_model
 
     sizes, base = resolve_preset(args)
     if (args.model is None) == (args.shape is None):
@@ -141,11 +150,7 @@ def main_with_args(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.preset:
         print(f"bench step: preset {args.preset}: {get_preset(args.preset).description}", flush=True)
-    if args.shape:
-        print(f"bench step: random {args.shape} weights -> {Path(work) / 'bench-models' / args.shape}", flush=True)
-        model = make_shape_model(args.shape, Path(work) / "bench-models" / args.shape, device)
-    else:
-        model = Path(args.model)
+    model = _bench_model(args, work, device)
     isolate = not args.one_process and len(bench.recipes) > 1
     out = Path(args.out or Path(work) / "bench-step")
     results = run_step_bench(model, bench, base, work, log=lambda line: print(line, flush=True), isolate=isolate,

@@ -229,23 +229,21 @@ def benchmark_recipe(
         local_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda and cfg.ray is None else None
         profiled = _profiled_step(cfg, parts, train_pool, warmup_steps + steps + 1, log) if profile_train else {}
     finally:
-        try:
-            _close(parts)
-        finally:
-            _stop_ray(started_ray)
-    medians = step_medians(timed)
+        _close_all(parts, started_ray)
     return ThroughputResult(
-        recipe=cfg.recipe.name,
-        device=device,
-        device_name=device_name(device),
-        steps=steps,
-        warmup_steps=warmup_steps,
+        recipe=cfg.recipe.name, device=device, device_name=device_name(device), steps=steps, warmup_steps=warmup_steps,
         peak_allocated_gb=local_peak,  # of the timed steps (read before a profiled step)
-        peak_gpu_used_gb=max(per_gpu.values()) if per_gpu else None,
-        peak_gpu_used_gb_per_gpu=per_gpu or None,
-        **profiled,
-        **medians,
-    )
+        peak_gpu_used_gb=max(per_gpu.values()) if per_gpu else None, peak_gpu_used_gb_per_gpu=per_gpu or None,
+        **profiled, **step_medians(timed),
+    )  # fmt: skip
+
+
+def _close_all(parts: Any, started_ray: bool) -> None:
+    """Close the run's parts, then stop the local Ray this benchmark started (also when closing fails)."""
+    try:
+        _close(parts)
+    finally:
+        _stop_ray(started_ray)
 
 
 def _start(cfg: RunConfig, model_dir: str | Path, device: str, log: Callable[[str], None]) -> tuple[Any, bool]:

@@ -326,6 +326,29 @@ def _launch_groups(
     )  # fmt: skip
 
 
+_Opt = torch.Tensor | None
+
+
+def _tile_outputs(
+    x: torch.Tensor, fmt: FP8Format, grid: tuple[int, int], transpose: bool, given: tuple[_Opt, _Opt, _Opt, _Opt]
+) -> tuple[torch.Tensor, torch.Tensor, _Opt, _Opt]:
+    """``quantize_tiles``'s ``(q, s, qt, st)``: ``given`` (``q_out, scale_out, qt_out, scale_t_out``) checked, or new."""
+    q_out, scale_out, qt_out, scale_t_out = given
+    (r, c), (n_r, n_c), dev = x.shape, grid, x.device
+    for name, buf, shape in (("q_out", q_out, (r, c)), ("qt_out", qt_out, (c, r))):
+        if buf is not None and (tuple(buf.shape) != shape or buf.dtype != fmt.dtype or not buf.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {fmt.dtype} tensor of shape {list(shape)}")
+    q = q_out if q_out is not None else torch.empty(r, c, dtype=fmt.dtype, device=dev)
+    s = scale_out if scale_out is not None else torch.empty(n_r, n_c, dtype=torch.float32, device=dev)
+    qt = (qt_out if qt_out is not None else torch.empty(c, r, dtype=fmt.dtype, device=dev)) if transpose else None
+    st = None
+    if transpose:
+        st = scale_t_out if scale_t_out is not None else torch.empty(n_c, n_r, dtype=torch.float32, device=dev)
+    if tuple(s.shape) != (n_r, n_c) or (st is not None and tuple(st.shape) != (n_c, n_r)):
+        raise ValueError(f"scale outputs must be [{n_r}, {n_c}] (and its transpose)")
+    return q, s, qt, st
+
+
 def quantize_tiles(
     x: torch.Tensor,
     fmt: FP8Format,
@@ -354,18 +377,7 @@ def quantize_tiles(
         raise ValueError("the transposed output needs square tiles")
     r, c = x.shape
     n_r, n_c = math.ceil(r / br), math.ceil(c / bc)
-    dev = x.device
-    for name, buf, shape in (("q_out", q_out, (r, c)), ("qt_out", qt_out, (c, r))):
-        if buf is not None and (tuple(buf.shape) != shape or buf.dtype != fmt.dtype or not buf.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous {fmt.dtype} tensor of shape {list(shape)}")
-    q = q_out if q_out is not None else torch.empty(r, c, dtype=fmt.dtype, device=dev)
-    s = scale_out if scale_out is not None else torch.empty(n_r, n_c, dtype=torch.float32, device=dev)
-    qt = (qt_out if qt_out is not None else torch.empty(c, r, dtype=fmt.dtype, device=dev)) if transpose else None
-    st = None
-    if transpose:
-        st = scale_t_out if scale_t_out is not None else torch.empty(n_c, n_r, dtype=torch.float32, device=dev)
-    if tuple(s.shape) != (n_r, n_c) or (st is not None and tuple(st.shape) != (n_c, n_r)):
-        raise ValueError(f"scale outputs must be [{n_r}, {n_c}] (and its transpose)")
+    q, s, qt, st = _tile_outputs(x, fmt, (n_r, n_c), transpose, (q_out, scale_out, qt_out, scale_t_out))
     if r == 0 or c == 0:
         return q, s, qt, st
     launch_kernel(

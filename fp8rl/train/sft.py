@@ -57,16 +57,7 @@ def sft_warmup(
     torch.manual_seed(opts.seed)
     rng = random.Random(opts.seed)
     model, tok = make_tiny_model(opts.preset, seed=opts.seed)
-    trainer = TorchTrainer(
-        model,
-        TrainerOptions(
-            total_steps=opts.steps,
-            optim=OptimConfig(
-                lr=opts.lr, warmup_steps=opts.steps // 20, schedule="cosine", micro_batch_size=opts.batch_size
-            ),
-        ),
-        device=device,
-    )
+    trainer = TorchTrainer(model, _trainer_options(opts), device=device)
     train = opts.task.examples("train", TRAIN_POOL)
     heldout = opts.task.examples("test", opts.eval_examples)
     if sink is not None:
@@ -93,6 +84,12 @@ def sft_warmup(
     if sink is not None:
         sink.log_metrics({f"sft/{k}": v for k, v in summary.items()}, step=opts.steps)
     return summary
+
+
+def _trainer_options(opts: SFTOptions) -> TrainerOptions:
+    """BF16 with fp32 masters, the whole batch one micro-batch, a cosine schedule warming up over 5% of the steps."""
+    optim = OptimConfig(lr=opts.lr, warmup_steps=opts.steps // 20, schedule="cosine", micro_batch_size=opts.batch_size)
+    return TrainerOptions(total_steps=opts.steps, optim=optim)
 
 
 def _answer_batch(tok: Any, chunk: list[Example]) -> SequenceBatch:

@@ -68,15 +68,20 @@ class TrainerOptions:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
+def _check_options(opts: TrainerOptions) -> None:
+    """The settings a ``TorchTrainer`` refuses (``ValueError`` naming the setting)."""
+    if opts.precision not in ("bf16", "fp8"):
+        raise ValueError(f"trainer precision must be 'bf16' or 'fp8', got {opts.precision!r}")
+    if opts.sharding not in SHARDINGS:
+        raise ValueError(f"trainer sharding must be one of {SHARDINGS}, got {opts.sharding!r}")
+    if opts.optim.reduce_grads_once and opts.sharding != "fsdp":
+        raise ValueError("reduce_grads_once applies to sharding 'fsdp' (replicated, the gradients reduce once)")
+
+
 class TorchTrainer(TrainerWeights):
     def __init__(self, model: str | os.PathLike[str] | PreTrainedModel, opts: TrainerOptions, device: str = "cpu"):
-        if opts.precision not in ("bf16", "fp8"):
-            raise ValueError(f"trainer precision must be 'bf16' or 'fp8', got {opts.precision!r}")
-        if opts.sharding not in SHARDINGS:
-            raise ValueError(f"trainer sharding must be one of {SHARDINGS}, got {opts.sharding!r}")
+        _check_options(opts)
         self.sharded = opts.sharding == "fsdp"
-        if opts.optim.reduce_grads_once and not self.sharded:
-            raise ValueError("reduce_grads_once applies to sharding 'fsdp' (replicated, the gradients reduce once)")
         # sharded: loaded on the CPU; fully_shard moves each rank's shard (only) to the device
         load_on = "cpu" if self.sharded else device
         if isinstance(model, PreTrainedModel):
@@ -95,19 +100,14 @@ class TorchTrainer(TrainerWeights):
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": self._checkpoint_contexts}
             )
-        self.optimizer: MasterWeightAdamW | ShardedAdamW
         self.fsdp: FSDPUnits | None = None
         if self.sharded:
             self.fsdp = FSDPUnits(self.model, self.device, opts.optim.fp8_gather_once)
-            self.optimizer = ShardedAdamW(
-                list(self.model.parameters()), lr=opts.optim.lr, betas=opts.optim.betas, weight_decay=opts.optim.weight_decay,
-                offload_state=opts.optim.offload_optimizer_state,
-            )  # fmt: skip
-        else:
-            self.optimizer = MasterWeightAdamW(
-                list(self.model.parameters()), lr=opts.optim.lr, betas=opts.optim.betas, weight_decay=opts.optim.weight_decay,
-                offload_state=opts.optim.offload_optimizer_state,
-            )  # fmt: skip
+        optimizer = ShardedAdamW if self.sharded else MasterWeightAdamW
+        self.optimizer: MasterWeightAdamW | ShardedAdamW = optimizer(
+            list(self.model.parameters()), lr=opts.optim.lr, betas=opts.optim.betas, weight_decay=opts.optim.weight_decay,
+            offload_state=opts.optim.offload_optimizer_state,
+        )  # fmt: skip
         self.step_memory = StepMemory(self.device, self.optimizer.offload)  # a policy step's memory costs
         self.step_profile = StepProfile(self.device)  # on request, a policy step's kernel time by category
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -377,6 +377,17 @@ class TorchTrainer(TrainerWeights):
             # this micro-batch's autograd graph goes now, not when the next forward rebinds the names: a CUDA
             # graph captured in that forward must not find the parameters' gradient nodes of this one alive
             del lp, inp, loss, stats, mb
+        return self._finish_update(source, loss_cfg, totals, sums, names)
+
+    def _finish_update(
+        self,
+        source: RecomputedOld | TrainForwardOld,
+        loss_cfg: GRPOConfig,
+        totals: tuple[float, float],
+        sums: torch.Tensor | None,
+        names: list[str],
+    ) -> dict[str, float]:
+        """The optimizer and scheduler step after the micro-batches, and the step's metrics (read back once)."""
         scale = source.finish(loss_cfg.loss_agg, totals, self._all_ranks_sum)
         grad_norm = self._optimizer_step(scale)
         lr = self.scheduler.get_last_lr()[0]
