@@ -4,20 +4,20 @@
 # ordinary fp8rl command (`fp8rl bench step --preset ...`, `python -m pipelines.submit ... --local`, pytest -m gpu),
 # which holds every benchmark setting itself.
 #
-#   bash scripts/gpu_stack.sh pack               here: the bundle -> .carry/stack1 .. .carry/stackN (git-ignored)
-#   bash scripts/gpu_stack.sh part .carry/stackK there, one command per part, back to back; the last one unpacks
-#   bash scripts/gpu_stack.sh start 'CMD'        there: CMD detached (setsid), in the stack's environment; waits up
+#   bash experiments/gpu_stack.sh pack               here: the bundle -> .carry/stack1 .. .carry/stackN (git-ignored)
+#   bash experiments/gpu_stack.sh part .carry/stackK there, one command per part, back to back; the last one unpacks
+#   bash experiments/gpu_stack.sh start 'CMD'        there: CMD detached (setsid), in the stack's environment; waits up
 #                                                to WAIT_S (540 s) and brings back $OUT/job.log and $OUT/results.tar.gz
 #                                                (every .json, .md, .log and .png CMD wrote under /tmp/res, whose path
 #                                                it gets as $RES)
-#   bash scripts/gpu_stack.sh poll               there: waits again for the job (a job that outlasts one command)
-#   bash scripts/gpu_stack.sh pack-file FILE     here: any large file (a model's wheel, say) -> .carry/file1 .. N
-#   bash scripts/gpu_stack.sh file-part .carry/fileK  there, one command per part: the file whole in /tmp/files/
+#   bash experiments/gpu_stack.sh poll               there: waits again for the job (a job that outlasts one command)
+#   bash experiments/gpu_stack.sh pack-file FILE     here: any large file (a model's wheel, say) -> .carry/file1 .. N
+#   bash experiments/gpu_stack.sh file-part .carry/fileK  there, one command per part: the file whole in /tmp/files/
 #
 # The bundle: vLLM (VLLM_SLIM: a tar.xz of the vllm package and its dist-info, default $TMPDIR/vllm_pack/slim.tar.xz;
 # VLLM_DEPS: the wheels of vLLM's dependencies that the machine's image lacks, default .carry/vllm2/deps), Ray and its
 # dependencies at constraints.txt's pins, and the project's own dependencies that a CUDA PyTorch image lacks
-# (scripts/gpu_stack.txt: MLflow, the KFP SDK; versions from constraints.txt). Python 3.12, x86-64.
+# (experiments/gpu_stack.txt: MLflow, the KFP SDK; versions from constraints.txt). Python 3.12, x86-64.
 set -uo pipefail
 step=${1:?step: pack | part DIR | start CMD | poll}; arg=${2:-}
 OUT=${OUT:-.}
@@ -63,7 +63,7 @@ case $step in
       msgpack protobuf pyyaml) || exit 3
     cp "$VLLM_DEPS"/*.whl "$W/b/deps/"
     # shellcheck disable=SC2046
-    pip_download "$W/b/extras" $(pins $(grep -v -E '^\s*(#|$)' scripts/gpu_stack.txt)) || exit 3
+    pip_download "$W/b/extras" $(pins $(grep -v -E '^\s*(#|$)' experiments/gpu_stack.txt)) || exit 3
     # kfp-server-api is published as a source distribution only: its (pure Python) wheel is built here
     python3 -m pip wheel -q --no-deps -w "$W/b/extras" "$(pins kfp-server-api)" || exit 3
     cp "$VLLM_SLIM" "$W/b/vllm_slim.tar.xz"
