@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import yaml
 
+from fp8rl.atomic import atomic_write_text
 from fp8rl.build import prompt_format, reward_for, task_examples
 from fp8rl.config import load_recipe, parse_run_config
 from fp8rl.diagnose import sample_sequences
@@ -152,7 +153,7 @@ def compare(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dic
     }
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
     ap.add_argument("--config", required=True)
@@ -166,7 +167,39 @@ def main() -> int:
         help="GRPO advantages of the task's reward, or standard-normal ones per sequence (a policy gradient of the "
         "same form in which every sequence counts)",
     )  # fmt: skip
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _sampled_batch(args: argparse.Namespace, engine: Any, tok: Any, cfg: Any, examples: list[Any]) -> SequenceBatch:
+    """The BF16 policy's responses to ``examples``; kept as ``<out>/sampled.pt`` and reused by a later run."""
+    cache = args.out / "sampled.pt" if args.out else None
+    if cache is not None and cache.exists():
+        return SequenceBatch(**torch.load(cache))
+    batch = sample_sequences(engine, tok, examples, prompt_format(cfg), cfg.sampling.max_tokens, args.seed)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dataclasses.asdict(batch), cache)
+    return batch
+
+
+def _table(results: dict[str, Any]) -> str:
+    ops = list(OPERANDS["fp8-row"])
+    lines = [
+        "| trainer | gradient cosine vs fp32 | relative error | lowest layer's cosine | "
+        + " | ".join(f"{o} error" for o in ops) + " |",
+        "|---|---|---|---|" + "---|" * len(ops),
+    ]  # fmt: skip
+    for label in ("bf16", *SPECS):
+        r, d = results[label], results["operands"].get(label)
+        cells = " | ".join(f"{d[o]['relative_error']:.4f} ({d[o]['flushed']:.2%} flushed)" if d else "-" for o in ops)
+        lines.append(
+            f"| {label} | {r['cosine']:.4f} | {r['relative_error']:.4f} | {min(r['cosine_per_layer']):.4f} | {cells} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = _args()
     torch.manual_seed(args.seed)
     raw = yaml.safe_load(Path(args.config).read_text())
     cfg = parse_run_config({**raw, "recipe": load_recipe("bf16").model_dump()}, args.config)
@@ -175,64 +208,33 @@ def main() -> int:
     t0 = time.time()
     engine = TorchRolloutEngine(args.model_dir, "bf16", device=args.device)
     tok = load_tokenizer(args.model_dir)
-    cache = args.out / "sampled.pt" if args.out else None  # the sampled batch, reused by a second run
-    if cache is not None and cache.exists():
-        batch = SequenceBatch(**torch.load(cache))
-    else:
-        batch = sample_sequences(engine, tok, examples, prompt_format(cfg), cfg.sampling.max_tokens, args.seed)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(dataclasses.asdict(batch), cache)
-    texts = tok.batch_decode(
-        [
-            r[m.bool()].tolist()
-            for r, m in zip(batch.input_ids[:, batch.prompt_width :], batch.response_mask, strict=True)
-        ],
-        skip_special_tokens=True,
-    )
+    batch = _sampled_batch(args, engine, tok, cfg, examples)
+    responses = zip(batch.input_ids[:, batch.prompt_width :], batch.response_mask, strict=True)
+    texts = tok.batch_decode([r[m.bool()].tolist() for r, m in responses], skip_special_tokens=True)
     rewards = torch.tensor(reward_for(cfg).score(texts, examples).rewards)
     adv = grpo_advantages(rewards, args.group)
     if args.advantages == "random":  # every sequence carries a gradient (the reward's are sparse at step 0)
         adv = torch.randn(len(examples), generator=torch.Generator().manual_seed(args.seed))
-    print(
-        f"{len(examples)} samples, {int(batch.response_mask.sum())} response tokens, reward mean "
-        f"{float(rewards.mean()):.3f}, groups with a gradient {int((adv.view(-1, args.group).abs().sum(1) > 0).sum())}"
-        f"/{args.prompts} ({time.time() - t0:.0f} s)"
-    )
+    tokens = int(batch.response_mask.sum())
+    groups = int((adv.view(-1, args.group).abs().sum(1) > 0).sum())
+    print(f"{len(examples)} samples, {tokens} response tokens, reward mean {float(rewards.mean()):.3f}, "
+          f"groups with a gradient {groups}/{args.prompts} ({time.time() - t0:.0f} s)")  # fmt: skip
     base = engine.model.requires_grad_(True)  # the engine's copy is inference-only
-    names = fp8_module_names(base)
-    micro = cfg.optim.micro_batch_size
-    operands = OperandErrors()
+    names, micro, operands = fp8_module_names(base), cfg.optim.micro_batch_size, OperandErrors()
     ref = linear_grads(copy.deepcopy(base).float(), names, batch, adv, micro, operands)
-    results: dict[str, Any] = {"samples": len(examples), "tokens": int(batch.response_mask.sum()),
-                               "reward_mean": float(rewards.mean()), "linears": len(names), "advantages": args.advantages}  # fmt: skip
-    bf16 = copy.deepcopy(base).to(torch.bfloat16)
-    results["bf16"] = compare(linear_grads(bf16, names, batch, adv, micro), ref)
+    results: dict[str, Any] = {"samples": len(examples), "tokens": tokens, "reward_mean": float(rewards.mean()),
+                               "linears": len(names), "advantages": args.advantages}  # fmt: skip
+    results["bf16"] = compare(linear_grads(copy.deepcopy(base).to(torch.bfloat16), names, batch, adv, micro), ref)
     for label, spec in SPECS.items():
         model = copy.deepcopy(base).to(torch.bfloat16)
         swap_modules(model, names, lambda _n, old, spec=spec: FP8TrainLinear.from_linear(old, spec))
         results[label] = compare(linear_grads(model, names, batch, adv, micro), ref)
     results["operands"] = operands.table()
-    ops = list(OPERANDS["fp8-row"])
-    lines = [
-        "| trainer | gradient cosine vs fp32 | relative error | lowest layer's cosine | "
-        + " | ".join(f"{o} error" for o in ops)
-        + " |",
-        "|---|---|---|---|" + "---|" * len(ops),
-    ]
-    for label in ("bf16", *SPECS):
-        r = results[label]
-        d = results["operands"].get(label)
-        cells = " | ".join(f"{d[o]['relative_error']:.4f} ({d[o]['flushed']:.2%} flushed)" if d else "-" for o in ops)
-        lines.append(
-            f"| {label} | {r['cosine']:.4f} | {r['relative_error']:.4f} | {min(r['cosine_per_layer']):.4f} | {cells} |"
-        )
-    table = "\n".join(lines)
+    table = _table(results)
     print(table)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gradients.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out / "gradients.md").write_text(table + "\n")
+        atomic_write_text(args.out / "gradients.json", json.dumps(results, indent=2) + "\n")
+        atomic_write_text(args.out / "gradients.md", table + "\n")
     print(f"done in {time.time() - t0:.0f} s")
     return 0
 
