@@ -40,7 +40,7 @@ from fp8rl.diagnose import sample_sequences
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
-from fp8rl.quant.quantize import dequantize, quantize
+from fp8rl.quant.quantize import dequantize, quantize_activation, quantize_weight
 from fp8rl.rl.advantages import grpo_advantages
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.train.batches import SequenceBatch
@@ -63,15 +63,7 @@ def loss_of(model: torch.nn.Module, batch: Any, adv: torch.Tensor, tokens: float
     return -(adv[:, None].to(lp.device) * lp * mask).sum() / tokens
 
 
-# each GEMM operand as the two FP8 trainers scale it: (granularity, group) of quantize(); operands laid out as the GEMM
-# reads them, the scaled groups along the last dimension (the reduction dimension of that GEMM)
-OPERANDS = {
-    "fp8-row": {"X": ("row", None), "X^T": ("row", None), "dY": ("row", None), "dY^T": ("row", None), "W": ("row", None)},
-    "fp8-block": {
-        "X": ("block", (1, 128)), "X^T": ("block", (1, 128)), "dY": ("block", (1, 128)), "dY^T": ("block", (1, 128)),
-        "W": ("block", (128, 128)),
-    },
-}  # fmt: skip
+OPERANDS = ("X", "X^T", "dY", "dY^T", "W")  # laid out as the GEMM reads them: scales along the last dimension
 
 
 class OperandErrors:
@@ -83,9 +75,8 @@ class OperandErrors:
 
     def add(self, operand: str, x: torch.Tensor) -> None:
         x = x.detach().float().contiguous()
-        for recipe, ops in OPERANDS.items():
-            gran, block = ops[operand]
-            back = dequantize(quantize(x, gran, "e4m3", block or (1, 1)))
+        for recipe, spec in SPECS.items():  # the trainers' own quantizers: weights in tiles, the rest in groups
+            back = dequantize(quantize_weight(x, spec) if operand == "W" else quantize_activation(x, spec))
             nz = x != 0
             acc = self.sums.setdefault((recipe, operand), [0.0, 0.0, 0.0, 0.0])
             acc[0] += float((back - x).double().norm() ** 2)
@@ -183,7 +174,7 @@ def _sampled_batch(args: argparse.Namespace, engine: Any, tok: Any, cfg: Any, ex
 
 
 def _table(results: dict[str, Any]) -> str:
-    ops = list(OPERANDS["fp8-row"])
+    ops = OPERANDS
     lines = [
         "| trainer | gradient cosine vs fp32 | relative error | lowest layer's cosine | "
         + " | ".join(f"{o} error" for o in ops) + " |",
