@@ -57,8 +57,37 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from fp8rl.devices import describe_device, resolve_device
 
     device = resolve_device(args.device, "--device")
-    print(f"sft: device {describe_device(device)}")
-    _warm_model(Path(args.work_dir), args.preset, args.steps, args.seed, device)
+    if args.model is None:
+        if args.config or args.output_dir:
+            raise UserError("--config and --output-dir warm up a given checkpoint: add --model DIR")
+        print(f"sft: device {describe_device(device)}")
+        _warm_model(Path(args.work_dir), args.preset, args.steps or 600, args.seed, device)
+        return 0
+    return _sft_checkpoint(args, device)
+
+
+def _sft_checkpoint(args: argparse.Namespace, device: str) -> int:
+    """``fp8rl sft --model DIR --config RUN.yaml --output-dir OUT``: a pretrained checkpoint on the run's task."""
+    from fp8rl.build import validate_inputs
+    from fp8rl.config import load_recipe, load_run_config_data, parse_run_config
+    from fp8rl.devices import describe_device
+    from fp8rl.supervised import SFT_RECORD, SFTSettings, sft_checkpoint
+
+    if not args.config or not args.output_dir:
+        raise UserError("--model: the warm-up of a checkpoint needs --config (the task) and --output-dir")
+    data = load_run_config_data(args.config)
+    apply_overrides(data, args.set)
+    # the warm-up trains in BF16 whatever the config's recipe (the recipe is RL's); a config may name none
+    recipe = data.get("recipe", "bf16")
+    data["recipe"] = load_recipe(recipe).model_dump() if isinstance(recipe, str) else recipe
+    cfg = parse_run_config(data, args.config)
+    validate_inputs(cfg)
+    settings = SFTSettings(args.steps or 100, args.batch_size, args.lr, args.seed, args.eval_every)
+    print(f"sft: {args.model} on {cfg.task.type}, device {describe_device(device)}")
+    record = sft_checkpoint(cfg, args.model, args.output_dir, settings, device, overwrite=args.overwrite)
+    first, last = record["heldout_accuracy"][0][1], record["heldout_accuracy"][-1][1]
+    print(f"sft: held-out accuracy {first:.3f} -> {last:.3f} in {record['seconds']:.0f}s -> {args.output_dir}")
+    print(f"wrote {Path(args.output_dir) / SFT_RECORD}")
     return 0
 
 
@@ -226,13 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_checkpoint_parsers(sub)
 
-    p = sub.add_parser("sft", help="supervised warm-up of the tiny model on the arithmetic task (cached)")
-    p.add_argument("--work-dir", default="work", help="where the warmed model is cached (default: work)")
-    p.add_argument("--preset", default="tiny", help="tiny-model preset: tiny | small | tiny-odd (default: tiny)")
-    p.add_argument("--steps", type=int, default=600, help="SFT optimizer steps (default: 600)")
-    p.add_argument("--seed", type=int, default=0, help="the tiny model's initial weights and data order (default: 0)")
-    add_device_argument(p)
-    p.set_defaults(func=_cmd_sft)
+    _add_sft_parser(sub)
 
     _add_train_parser(sub)
     add_import_parsers(sub)
@@ -248,6 +271,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_args(p)
     p.set_defaults(func=_cmd_demo)
     return parser
+
+
+def _add_sft_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "sft", help="supervised warm-up: the tiny model on the arithmetic task (cached), or --model on a run's task",
+        description="Without --model: the tiny model on the arithmetic task, cached under --work-dir. With --model "
+        "DIR --config RUN.yaml --output-dir OUT: the checkpoint fine-tuned on the run config's task (prompt as the RL "
+        "loop renders it, target the reference answer then the end-of-sequence token), held-out accuracy before and "
+        "after; OUT is a checkpoint to start RL from.",
+    )  # fmt: skip
+    p.add_argument("--work-dir", default="work", help="where the warmed tiny model is cached (default: work)")
+    p.add_argument("--preset", default="tiny", help="tiny-model preset: tiny | small | tiny-odd (default: tiny)")
+    p.add_argument("--steps", type=int, default=None, help="SFT optimizer steps (default: 600 tiny, 100 --model)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights (tiny) and data order (default: 0)")
+    p.add_argument("--model", default=None, help="an HF checkpoint directory to warm up (default: the tiny model)")
+    p.add_argument("--config", default=None, metavar="FILE", help="with --model: the run config whose task to learn")
+    p.add_argument("--output-dir", default=None, help="with --model: where the warmed checkpoint is written")
+    p.add_argument("--batch-size", type=int, default=32, help="with --model: examples a step (default 32)")
+    p.add_argument("--lr", type=float, default=1e-5, help="with --model: peak learning rate, cosine (default 1e-5)")
+    p.add_argument(
+        "--eval-every", type=int, default=0, metavar="N", help="with --model: held-out accuracy every N steps"
+    )
+    p.add_argument("--overwrite", action="store_true", help="with --model: replace an existing --output-dir")
+    add_device_argument(p)
+    add_set_argument(p)
+    p.set_defaults(func=_cmd_sft)
 
 
 def _add_diagnose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,155 @@
+"""Supervised warm-up of a pretrained checkpoint on a run config's task, so RL starts from a model that answers.
+
+A pretrained (not instruction-tuned) model continues a question with more text instead of answering it: on a
+verifiable task it scores near zero, few GRPO groups hold a reward that differs, and RL has nothing to amplify.
+``sft_checkpoint`` fine-tunes it on the task's training split first:
+
+- the input is each prompt exactly as the RL loop renders it (``task.chat_template``, ``task.system_prompt``:
+  ``fp8rl.tasks.prompts``);
+- the target is the example's reference answer, then the checkpoint's end-of-sequence id (the first stop id,
+  ``fp8rl.models.special_tokens``): under a chat template the assistant turn's text, without one the answer after a
+  space.  It teaches the answer's form and where to stop, not a worked solution;
+- token-mean cross entropy on the target tokens (``TorchTrainer.sft_step``), BF16 with fp32 master weights, the run
+  config's micro-batches and memory settings (``optim``), ``lr`` on a cosine schedule with a 5% warm-up;
+- held-out accuracy (greedy, ``sampling.max_tokens``, the run's reward, ``eval_examples`` problems) before and after,
+  and every ``eval_every`` steps, with the built-in engine in BF16.
+
+The result is an ordinary HF checkpoint directory, written atomically, with ``fp8rl_sft.json`` beside the weights:
+the options, the task, the loss and accuracy curve (what a later RL run started from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl.atomic import atomic_directory
+from fp8rl.build import prompt_format, reward_for, task_examples
+from fp8rl.config import RunConfig
+from fp8rl.errors import UserError
+from fp8rl.evaluation import evaluate
+from fp8rl.models.loading import load_tokenizer
+from fp8rl.models.special_tokens import special_tokens
+from fp8rl.rollout.torch_engine import TorchRolloutEngine
+from fp8rl.tasks import Example
+from fp8rl.tasks.prompts import PromptFormat
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
+
+SFT_RECORD = "fp8rl_sft.json"
+
+
+@dataclass(frozen=True)
+class SFTSettings:
+    """The warm-up's own settings; the task, prompt format, reward and micro-batching come from the run config."""
+
+    steps: int = 100
+    batch_size: int = 32  # examples per optimizer step
+    lr: float = 1e-5
+    seed: int = 0  # the order the training examples are drawn in
+    eval_every: int = 0  # held-out accuracy every N steps as well (0: before and after only)
+
+    def check(self) -> None:
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise UserError(f"--lr must be > 0, got {self.lr}")
+        if self.eval_every < 0:
+            raise UserError(f"--eval-every must be >= 0, got {self.eval_every}")
+
+
+def answer_ids(tokenizer: Any, fmt: PromptFormat, example: Example, eos_id: int) -> list[int]:
+    """The target tokens of ``example``: its answer, then ``eos_id``.  Under a chat template the answer is the
+    assistant turn's text; after raw prompt text it follows a space, as in running text, unless the prompt ends in
+    whitespace or ``=`` (``3+4=`` is continued with ``7``)."""
+    text = example.answer
+    if not fmt.uses_template(tokenizer):
+        prompt = fmt.text(example)
+        text = text if not prompt or prompt[-1].isspace() or prompt.endswith("=") else " " + text
+    return [*tokenizer(text, add_special_tokens=False).input_ids, eos_id]
+
+
+def answer_batch(tokenizer: Any, fmt: PromptFormat, examples: list[Example], eos_id: int, pad_id: int) -> SequenceBatch:
+    """Prompts (as the RL loop renders them) and their answers + eos, the answers right-padded and masked."""
+    prompts = fmt.encode_all(tokenizer, examples)
+    answers = [answer_ids(tokenizer, fmt, e, eos_id) for e in examples]
+    width = max(len(a) for a in answers)
+    resp = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width))
+    for i, a in enumerate(answers):
+        resp[i, : len(a)] = torch.tensor(a)
+        mask[i, : len(a)] = 1
+    return build_batch(prompts, resp, mask, pad_id)
+
+
+def _heldout_accuracy(cfg: RunConfig, model: Any, tokenizer: Any, heldout: list[Example], device: str) -> float:
+    """Greedy held-out accuracy of ``model`` (a checkpoint directory, or the trainer's module: left as it was found,
+    in training mode with its parameters' ``requires_grad``) in BF16."""
+    trainable = [p.requires_grad for p in model.parameters()] if isinstance(model, torch.nn.Module) else []
+    engine = TorchRolloutEngine(model, "bf16", device=device)
+    result = evaluate(
+        engine, tokenizer, heldout, max_tokens=cfg.sampling.max_tokens, prompt_format=prompt_format(cfg),
+        reward=reward_for(cfg),
+    )  # fmt: skip
+    if isinstance(model, torch.nn.Module):
+        model.train()
+        for p, flag in zip(model.parameters(), trainable, strict=True):
+            p.requires_grad_(flag)
+    return float(result["accuracy"])
+
+
+def sft_checkpoint(
+    cfg: RunConfig,
+    model_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    settings: SFTSettings,
+    device: str = "cpu",
+    overwrite: bool = False,
+    log_every: int = 10,
+) -> dict[str, Any]:
+    """Fine-tune the checkpoint at ``model_dir`` on ``cfg.task`` (module docstring) and save it to ``out_dir``.
+
+    Returns the record written to ``out_dir/fp8rl_sft.json``: ``settings``, ``task``, ``loss`` (``[step, loss]``
+    every ``log_every`` steps), ``heldout_accuracy`` (``[step, accuracy]``, from step 0) and ``seconds``."""
+    settings.check()
+    if Path(out_dir).exists() and not overwrite:
+        raise UserError(f"{out_dir} already exists (pass --overwrite to replace it)")
+    random.seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    rng = random.Random(settings.seed)
+    train, heldout = task_examples(cfg)
+    tok, fmt = load_tokenizer(model_dir), prompt_format(cfg)
+    tokens = special_tokens(model_dir, tok)
+    optim = cfg.optim.model_copy(update={"lr": settings.lr, "warmup_steps": settings.steps // 20, "schedule": "cosine"})
+    trainer = TorchTrainer(model_dir, TrainerOptions(total_steps=settings.steps, optim=optim), device=device)
+    record: dict[str, Any] = {
+        "settings": asdict(settings), "task": cfg.task.model_dump(mode="json"), "model": str(model_dir),
+        "loss": [], "heldout_accuracy": [[0, _heldout_accuracy(cfg, model_dir, tok, heldout, device)]],
+    }  # fmt: skip
+    print(
+        f"sft: {len(heldout)} held-out problems, accuracy at step 0 {record['heldout_accuracy'][0][1]:.3f}", flush=True
+    )
+    t0 = time.perf_counter()
+    for step in range(1, settings.steps + 1):
+        batch = answer_batch(tok, fmt, rng.sample(train, settings.batch_size), tokens.eos_id, tokens.pad_id)
+        loss = trainer.sft_step(batch)["sft_loss"]
+        if step % log_every == 0 or step == settings.steps:
+            record["loss"].append([step, loss])
+            print(f"sft step {step}/{settings.steps} loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        if step == settings.steps or (settings.eval_every and step % settings.eval_every == 0):
+            acc = _heldout_accuracy(cfg, trainer.model, tok, heldout, device)
+            record["heldout_accuracy"].append([step, acc])
+            print(f"sft step {step}: held-out accuracy {acc:.3f}", flush=True)
+    record["seconds"] = time.perf_counter() - t0
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        trainer.save(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / SFT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    return record
