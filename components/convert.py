@@ -16,7 +16,7 @@ def convert_to_fp8(model: Input[Model], recipe: str, fp8_model: Output[Model], r
     from fp8rl.checkpoint import REPORT_MD, ConvertOptions, convert_checkpoint
     from fp8rl.config import load_recipe
 
-    opts = ConvertOptions.from_recipe(load_recipe(recipe))
+    opts = ConvertOptions(load_recipe(recipe).quant)
     convert_checkpoint(model.path, fp8_model.path, opts, overwrite=True, show_progress=False)
     shutil.copyfile(Path(fp8_model.path) / REPORT_MD, report.path)
-    fp8_model.metadata.update({**model.metadata, "recipe": recipe, "granularity": opts.granularity})
+    fp8_model.metadata.update({**model.metadata, "recipe": recipe, "granularity": opts.quant.granularity})

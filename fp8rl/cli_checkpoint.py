@@ -40,31 +40,31 @@ QUANT_FLAGS = ("granularity", "pow2_scales", "bf16_first_layers", "bf16_last_lay
 
 
 def convert_options(args: argparse.Namespace) -> ConvertOptions:
-    """The quant flags, or ``--recipe``'s options (``convert``); a flag given with a recipe must agree with it."""
-    import dataclasses
-
+    """The quant flags, or ``--recipe``'s quant (``convert``), as the recipe's ``QuantConfig``, with
+    ``--partial-tiles``; a flag given with a recipe must agree with it."""
     from fp8rl.checkpoint import ConvertOptions
+    from fp8rl.config import QuantConfig
 
     given = {f: getattr(args, f) for f in QUANT_FLAGS if getattr(args, f) is not None}  # convert: None = not given
     for field in ("bf16_first_layers", "bf16_last_layers"):
         if given.get(field, 0) < 0:
             raise UserError(f"--{field.replace('_', '-')} must be >= 0, got {given[field]}")
     if getattr(args, "recipe", None) is None:
-        opts = ConvertOptions(**given)
+        quant = QuantConfig(**given)
     else:
         from fp8rl.config import load_recipe
 
-        opts = ConvertOptions.from_recipe(load_recipe(args.recipe))
+        quant = load_recipe(args.recipe).quant
         clashes = [
-            f"--{f.replace('_', '-')}{'' if v is True else f' {v}'} but recipe.quant.{f} is {getattr(opts, f)}"
+            f"--{f.replace('_', '-')}{'' if v is True else f' {v}'} but recipe.quant.{f} is {getattr(quant, f)}"
             for f, v in given.items()
-            if getattr(opts, f) != v
+            if getattr(quant, f) != v
         ]
         if clashes:
             raise UserError(
                 f"--recipe {args.recipe}: " + "; ".join(clashes) + " (drop the flag, or use a recipe with that value)"
             )
-    return dataclasses.replace(opts, partial_tiles=getattr(args, "partial_tiles", "keep"))
+    return ConvertOptions(quant, partial_tiles=getattr(args, "partial_tiles", "keep"))
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:

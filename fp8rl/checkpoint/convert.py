@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -48,12 +48,10 @@ from fp8rl.checkpoint.shards import (
     tree_digest,
     write_index,
 )
+from fp8rl.config.recipe import QuantConfig
 from fp8rl.models.layers import DECODER_LINEAR, DECODER_LINEAR_SUFFIXES, kept_layers
 from fp8rl.models.loading import read_model_config
 from fp8rl.quant import QuantSpec, quantize_weight
-
-if TYPE_CHECKING:
-    from fp8rl.config import Recipe
 
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MANIFEST_NAME = "fp8rl_manifest.json"
@@ -61,43 +59,33 @@ REPORT_JSON = "fp8rl_conversion_report.json"
 REPORT_MD = "fp8rl_conversion_report.md"
 
 
+# the settings of ``QuantConfig`` a checkpoint holds, in the order its report and manifest record them; act_block is
+# how an engine groups activations at run time, not part of the weights
+RECORDED_QUANT_FIELDS = ("granularity", "pow2_scales", "bf16_first_layers", "bf16_last_layers", "weight_block", "fmt")
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
-    """What :func:`convert_checkpoint` produces (the checkpoint half of a precision recipe)."""
+    """What :func:`convert_checkpoint` produces: a recipe's ``quant`` (the one source of the scaling settings:
+    ``ConvertOptions(recipe.quant)`` is the checkpoint a recipe rolls out from) and the converter's own
+    ``partial_tiles`` policy (module docstring)."""
 
-    granularity: str = "block"
-    pow2_scales: bool = False
-    bf16_first_layers: int = 0
-    bf16_last_layers: int = 0
-    weight_block: tuple[int, int] = (128, 128)
-    fmt: str = "e4m3"
-    partial_tiles: str = "keep"  # keep | quantize (module docstring)
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe) -> ConvertOptions:
-        """The checkpoint ``recipe`` rolls out from: ``recipe.quant``'s granularity, power-of-two scales, BF16
-        first/last layers, weight tile and format; partial tiles ``keep`` (what vLLM and transformers load)."""
-        q = recipe.quant
-        return cls(
-            granularity=q.granularity,
-            pow2_scales=q.pow2_scales,
-            bf16_first_layers=q.bf16_first_layers,
-            bf16_last_layers=q.bf16_last_layers,
-            weight_block=(int(q.weight_block[0]), int(q.weight_block[1])),
-            fmt=q.fmt,
-        )
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    partial_tiles: str = "keep"  # keep | quantize: ``keep`` is what vLLM and transformers load
 
     def spec(self) -> QuantSpec:
-        return QuantSpec(
-            granularity=self.granularity,  # type: ignore[arg-type]
-            fmt=self.fmt,
-            weight_block=self.weight_block,
-            pow2_scales=self.pow2_scales,
-        )
+        """The weights' ``QuantSpec``: the recipe's, with the default activation group (a checkpoint holds weights,
+        and its manifest records the spec they were quantized with)."""
+        return dataclasses.replace(self.quant.spec(), act_block=QuantSpec.act_block)
+
+    def record(self) -> dict[str, Any]:
+        """The options as the conversion report and manifest record them (``RECORDED_QUANT_FIELDS``, partial_tiles)."""
+        quant = self.quant.model_dump()
+        return {**{name: quant[name] for name in RECORDED_QUANT_FIELDS}, "partial_tiles": self.partial_tiles}
 
     def kept_layers(self, num_layers: int) -> set[int]:
         """Decoder layer indices that stay in their original precision."""
-        return kept_layers(num_layers, self.bf16_first_layers, self.bf16_last_layers)
+        return kept_layers(num_layers, self.quant.bf16_first_layers, self.quant.bf16_last_layers)
 
 
 @dataclass
@@ -114,10 +102,10 @@ FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("
 
 
 def partial_tile_reason(shape: tuple[int, ...], opts: ConvertOptions) -> str | None:
-    """Why a weight of ``shape`` is not whole ``opts.weight_block`` tiles (block granularity), else None."""
-    if opts.granularity != "block" or opts.partial_tiles == "quantize" or len(shape) != 2:
+    """Why a weight of ``shape`` is not whole ``opts.quant.weight_block`` tiles (block granularity), else None."""
+    if opts.quant.granularity != "block" or opts.partial_tiles == "quantize" or len(shape) != 2:
         return None
-    br, bc = opts.weight_block
+    br, bc = opts.quant.weight_block
     if shape[0] % br == 0 and shape[1] % bc == 0:
         return None
     return (
@@ -181,7 +169,7 @@ def check_fp8_coverage(
     quantized = sum(1 for module in eligible if module not in partial)
     if total and fp8 >= MIN_FP8_FRACTION * total:
         return quantized, len(eligible)
-    br, bc = opts.weight_block
+    br, bc = opts.quant.weight_block
     if not eligible:
         why = "every decoder layer is kept in BF16 (bf16_first_layers / bf16_last_layers)"
         fix = "keep fewer layers in BF16"
@@ -196,7 +184,7 @@ def check_fp8_coverage(
         )
     raise CheckpointError(
         f"this conversion would quantize {quantized} of {len(eligible)} eligible decoder linears "
-        f"({fp8 / total if total else 0.0:.0%} of their weights) with granularity={opts.granularity}: {why}. "
+        f"({fp8 / total if total else 0.0:.0%} of their weights) with granularity={opts.quant.granularity}: {why}. "
         f"To quantize them, {fix}; --allow-unquantized writes the checkpoint anyway"
     )
 
@@ -278,9 +266,9 @@ def _convert_shard(
                 progress.bar.update(1)
                 continue
             q = quantize_weight(t, spec)
-            scale = q.scale_inv.reshape(1) if opts.granularity == "tensor" else q.scale_inv
+            scale = q.scale_inv.reshape(1) if opts.quant.granularity == "tensor" else q.scale_inv
             out[name] = q.data
-            out[scale_name(match["module"], opts.granularity)] = scale
+            out[scale_name(match["module"], opts.quant.granularity)] = scale
             progress.tensors.append(TensorReport.measure(name, t, q))
             progress.bar.update(1)
     save_file(out, str(dst_file), metadata={"format": "pt"})
@@ -350,7 +338,9 @@ def convert_checkpoint(
     cfg, layout, kept, partial, n_tensors = _plan(src_path, opts, allow_unquantized)
 
     with atomic_directory(dst_path, overwrite=overwrite) as tmp:
-        bar = tqdm(total=n_tensors, desc=f"convert -> fp8 {opts.granularity}", unit="tensor", disable=not show_progress)
+        bar = tqdm(
+            total=n_tensors, desc=f"convert -> fp8 {opts.quant.granularity}", unit="tensor", disable=not show_progress
+        )
         progress = _Progress(bar)
         weight_map: dict[str, str] = {}
         for file in layout.files:
@@ -364,7 +354,7 @@ def convert_checkpoint(
         copy_side_files(src_path, tmp, {*layout.files, INDEX_NAME, "config.json"})
         report = ConversionReport(
             source=str(src_path),
-            options=dataclasses.asdict(opts),
+            options=opts.record(),
             tensors=progress.tensors,
             kept_layers=sorted(kept),
             kept_partial_tiles=list(partial.values()),
@@ -380,7 +370,7 @@ def _write_config(
 ) -> None:
     """The source's config.json with the FP8 checkpoint's ``quantization_config``."""
     modules = not_converted_modules(kept) + list(partial)
-    quant = quantization_config(opts.granularity, opts.weight_block, modules, opts.fmt)
+    quant = quantization_config(opts.quant.granularity, opts.quant.weight_block, modules, opts.quant.fmt)
     (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant}, indent=2) + "\n")
 
 
@@ -391,5 +381,5 @@ def _write_report_and_manifest(
     (dst / REPORT_MD).write_text(report.to_markdown())
     source_hashes = {name: sha256_file(src / name) for name in [*files, "config.json"]}
     source = {"path": str(src.resolve()), "sha256": tree_digest(source_hashes), "files": source_hashes}
-    recipe = {**dataclasses.asdict(opts), "spec": dataclasses.asdict(spec)}
+    recipe = {**opts.record(), "spec": dataclasses.asdict(spec)}
     write_manifest(dst, {"kind": "fp8-checkpoint", "source": source, "recipe": recipe})

@@ -105,9 +105,8 @@ def partial_tile_modules_of(model_dir: Path, recipe: Recipe) -> dict[str, dict[s
 
     cfg = read_model_config(model_dir)
     headers = read_headers(model_dir, shard_layout(model_dir).files)
-    kept = kept_layers(int(cfg["num_hidden_layers"]), recipe.quant.bf16_first_layers, recipe.quant.bf16_last_layers)
-    block = (int(recipe.quant.weight_block[0]), int(recipe.quant.weight_block[1]))
-    opts = ConvertOptions(recipe.quant.granularity, weight_block=block)  # only block scaling has tiles
+    opts = ConvertOptions(recipe.quant)  # partial tiles kept, as vLLM loads them
+    kept = opts.kept_layers(int(cfg["num_hidden_layers"]))
     return partial_tile_modules({name: shape for name, (_, shape) in headers.items()}, opts, kept)
 
 
@@ -196,9 +195,7 @@ def serving_checkpoint(model_dir: str | os.PathLike[str], recipe: Recipe, work_d
         try:
             # partial tiles may leave few linears FP8: the engine says how many, and a run refuses none
             # (fp8rl.fp8_coverage), so the conversion's own coverage check is not asked for here
-            convert_checkpoint(
-                src, dst, ConvertOptions.from_recipe(recipe), show_progress=False, allow_unquantized=True
-            )
+            convert_checkpoint(src, dst, ConvertOptions(recipe.quant), show_progress=False, allow_unquantized=True)
         except (OutputExistsError, OSError):
             if not (dst / "config.json").is_file():  # not another worker that finished first
                 raise

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fp8rl.checkpoint import ConvertOptions, convert_checkpoint, dequantize_checkpoint
+from fp8rl.config import QuantConfig
 from fp8rl.models import PRESETS
 
 pytest.importorskip("accelerate", reason="transformers' FP8 loader needs accelerate")
@@ -27,7 +28,7 @@ EPS_E4M3 = 2.0**-3 / math.sqrt(12) * math.sqrt(3 / (8 * math.log(2)))
 def test_transformers_loads_block_fp8(tmp_path: Path, tiny_models: dict[str, Path], bf16_first: int) -> None:
     src = tiny_models["small-sharded"]
     fp8, deq = tmp_path / "fp8", tmp_path / "deq"
-    convert_checkpoint(src, fp8, ConvertOptions(bf16_first_layers=bf16_first), show_progress=False)
+    convert_checkpoint(src, fp8, ConvertOptions(QuantConfig(bf16_first_layers=bf16_first)), show_progress=False)
     dequantize_checkpoint(fp8, deq, show_progress=False)
 
     loaded = AutoModelForCausalLM.from_pretrained(fp8)

@@ -21,7 +21,7 @@ from fp8rl.checkpoint import (
     dequantize_checkpoint,
 )
 from fp8rl.checkpoint.shards import sha256_file
-from fp8rl.config import BUILTIN_RECIPES, Recipe, load_recipe, parse_recipe, vllm_recipe_problem
+from fp8rl.config import BUILTIN_RECIPES, QuantConfig, Recipe, load_recipe, parse_recipe, vllm_recipe_problem
 from fp8rl.models import PRESETS, UnsupportedModelError
 from fp8rl.quant import QuantSpec, quantize_weight
 
@@ -73,7 +73,9 @@ def test_row_and_tensor_use_compressed_tensors_layout(
     tmp_path: Path, tiny_models: dict[str, Path], granularity: str, scale_shape
 ) -> None:
     dst = tmp_path / "fp8"
-    convert_checkpoint(tiny_models["tiny"], dst, ConvertOptions(granularity=granularity), show_progress=False)
+    convert_checkpoint(
+        tiny_models["tiny"], dst, ConvertOptions(QuantConfig(granularity=granularity)), show_progress=False
+    )
     qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     group = qcfg["config_groups"]["group_0"]
     assert qcfg["quant_method"] == "compressed-tensors" and qcfg["format"] == "float-quantized"
@@ -87,7 +89,7 @@ def test_row_and_tensor_use_compressed_tensors_layout(
 
 def test_bf16_layers_stay_and_are_listed(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     dst = tmp_path / "fp8"
-    opts = ConvertOptions(bf16_first_layers=1, bf16_last_layers=1)
+    opts = ConvertOptions(QuantConfig(bf16_first_layers=1, bf16_last_layers=1))
     report = convert_checkpoint(tiny_models["small-sharded"], dst, opts, show_progress=False)
     out = all_tensors(dst)
     assert out["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
@@ -121,7 +123,9 @@ def test_report_error_matches_e4m3_theory(tmp_path: Path, tiny_models: dict[str,
 
 def test_manifest_hashes_every_file(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     dst = tmp_path / "fp8"
-    convert_checkpoint(tiny_models["small-sharded"], dst, ConvertOptions(pow2_scales=True), show_progress=False)
+    convert_checkpoint(
+        tiny_models["small-sharded"], dst, ConvertOptions(QuantConfig(pow2_scales=True)), show_progress=False
+    )
     manifest = json.loads((dst / MANIFEST_NAME).read_text())
     files = {p.name for p in dst.iterdir()} - {MANIFEST_NAME}
     assert set(manifest["files"]) == files
@@ -137,7 +141,7 @@ def test_manifest_hashes_every_file(tmp_path: Path, tiny_models: dict[str, Path]
 @pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
 def test_dequantize_inverts_stored_values(tmp_path: Path, tiny_models: dict[str, Path], granularity: str) -> None:
     fp8, deq = tmp_path / "fp8", tmp_path / "deq"
-    opts = ConvertOptions(granularity=granularity, partial_tiles="quantize")
+    opts = ConvertOptions(QuantConfig(granularity=granularity), partial_tiles="quantize")
     convert_checkpoint(tiny_models["tiny-odd"], fp8, opts, show_progress=False)
     dequantize_checkpoint(fp8, deq, show_progress=False)
     src, back = all_tensors(tiny_models["tiny-odd"]), all_tensors(deq)
@@ -231,7 +235,11 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, tiny_models: dict[str, Pa
 def test_partial_tiles_are_kept_in_bf16_by_default_and_named(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     dst = tmp_path / "fp8"
     report = convert_checkpoint(
-        tiny_models["tiny-odd"], dst, ConvertOptions(bf16_first_layers=1), show_progress=False, allow_unquantized=True
+        tiny_models["tiny-odd"],
+        dst,
+        ConvertOptions(QuantConfig(bf16_first_layers=1)),
+        show_progress=False,
+        allow_unquantized=True,
     )
     src, out = all_tensors(tiny_models["tiny-odd"]), all_tensors(dst)
     qcfg = json.loads((dst / "config.json").read_text())["quantization_config"]
@@ -248,8 +256,8 @@ def test_partial_tiles_are_kept_in_bf16_by_default_and_named(tmp_path: Path, tin
     for t in report.tensors:  # whatever was quantized is whole tiles
         assert t.shape[0] % 128 == 0 and t.shape[1] % 128 == 0
     assert report.to_dict()["kept_partial_tiles"] == report.kept_partial_tiles
-    for opts in (ConvertOptions(granularity="row"), ConvertOptions(partial_tiles="quantize")):
-        assert not convert_checkpoint(tiny_models["tiny-odd"], tmp_path / opts.granularity / opts.partial_tiles, opts,
+    for opts in (ConvertOptions(QuantConfig(granularity="row")), ConvertOptions(partial_tiles="quantize")):
+        assert not convert_checkpoint(tiny_models["tiny-odd"], tmp_path / opts.quant.granularity / opts.partial_tiles, opts,
                                       show_progress=False).kept_partial_tiles  # fmt: skip
     with pytest.raises(CheckpointError, match="partial_tiles"):
         convert_checkpoint(
@@ -298,7 +306,7 @@ def fp8_recipe(**quant: object) -> Recipe:
 def test_builtin_recipes_convert_to_128_block_e4m3(name: str) -> None:
     # bf16's quant is the default; both FP8 recipes spell out block scaling, no pow2 scales, no BF16 layers; the
     # row recipes per-channel scaling, otherwise the same
-    assert ConvertOptions.from_recipe(load_recipe(name)) == ConvertOptions(
+    assert ConvertOptions(load_recipe(name).quant).record() == dict(
         granularity="row" if name.startswith("fp8-e2e-row") else "block", pow2_scales=False, bf16_first_layers=0,
         bf16_last_layers=0, weight_block=(128, 128), fmt="e4m3", partial_tiles="keep",
     )  # fmt: skip
@@ -308,27 +316,56 @@ def test_convert_options_take_every_quant_setting_of_the_recipe() -> None:
     recipe = fp8_recipe(
         granularity="row", pow2_scales=True, bf16_first_layers=1, bf16_last_layers=2, weight_block=[64, 32]
     )
-    assert ConvertOptions.from_recipe(recipe) == ConvertOptions("row", True, 1, 2, (64, 32), "e4m3", "keep")
+    assert ConvertOptions(recipe.quant).record() == dict(
+        granularity="row", pow2_scales=True, bf16_first_layers=1, bf16_last_layers=2, weight_block=(64, 32), fmt="e4m3",
+        partial_tiles="keep",
+    )  # fmt: skip
 
 
-def vllm_serving_options(recipe: Recipe) -> ConvertOptions:
-    """What serving_checkpoint converted with before ConvertOptions.from_recipe: block, 128x128, default fmt."""
+def test_report_and_manifest_record_the_checkpoint_settings_of_the_recipe(
+    tmp_path: Path, tiny_models: dict[str, Path]
+) -> None:
+    # act_block is how an engine groups activations at run time: the manifest's spec keeps the default
+    recipe = fp8_recipe(pow2_scales=True, act_block=64)
+    dst = tmp_path / "fp8"
+    report = convert_checkpoint(tiny_models["tiny"], dst, ConvertOptions(recipe.quant), show_progress=False)
+    fields = ["granularity", "pow2_scales", "bf16_first_layers", "bf16_last_layers", "weight_block", "fmt"]
+    assert list(report.options) == [*fields, "partial_tiles"]
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())["recipe"]
+    assert list(manifest) == [*fields, "partial_tiles", "spec"] and manifest["weight_block"] == [128, 128]
+    assert manifest["spec"] == {
+        "granularity": "block", "fmt": "e4m3", "weight_block": [128, 128], "act_block": 128, "pow2_scales": True,
+    }  # fmt: skip
+    assert (
+        "- options: granularity=block, pow2_scales=True, bf16_first_layers=0, bf16_last_layers=0, "
+        "weight_block=(128, 128), fmt=e4m3, partial_tiles=keep" in (dst / "fp8rl_conversion_report.md").read_text()
+    )
+
+
+def vllm_serving_options(recipe: Recipe) -> dict[str, object]:
+    """What serving_checkpoint converted with before it took the recipe's quant: block, 128x128, default fmt."""
     q = recipe.quant
-    return ConvertOptions("block", q.pow2_scales, q.bf16_first_layers, q.bf16_last_layers, (128, 128))
+    return dict(
+        granularity="block", pow2_scales=q.pow2_scales, bf16_first_layers=q.bf16_first_layers,
+        bf16_last_layers=q.bf16_last_layers, weight_block=(128, 128), fmt="e4m3", partial_tiles="keep",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("quant", [{}, {"pow2_scales": True}, {"bf16_first_layers": 1, "bf16_last_layers": 2}])
 def test_recipe_options_are_what_vllm_serves_for_the_recipes_it_accepts(quant: dict[str, object]) -> None:
     recipe = fp8_recipe(**quant)
     assert vllm_recipe_problem(recipe) is None
-    assert ConvertOptions.from_recipe(recipe) == vllm_serving_options(recipe)
+    assert ConvertOptions(recipe.quant).record() == vllm_serving_options(recipe)
 
 
 def test_vllm_serves_per_channel_recipes_from_a_per_channel_conversion() -> None:
     # row: compressed-tensors per-channel weights; the weight tile does not apply
     recipe = fp8_recipe(granularity="row", bf16_last_layers=1, weight_block=[64, 64])
     assert vllm_recipe_problem(recipe) is None
-    assert ConvertOptions.from_recipe(recipe) == ConvertOptions("row", False, 0, 1, (64, 64), "e4m3", "keep")
+    assert ConvertOptions(recipe.quant).record() == dict(
+        granularity="row", pow2_scales=False, bf16_first_layers=0, bf16_last_layers=1, weight_block=(64, 64),
+        fmt="e4m3", partial_tiles="keep",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("quant", [{"granularity": "tensor"}, {"weight_block": [64, 64]}, {"act_block": 64}])
@@ -336,4 +373,4 @@ def test_vllm_refuses_the_recipes_whose_options_differ(quant: dict[str, object])
     recipe = fp8_recipe(**quant)
     assert vllm_recipe_problem(recipe) is not None  # serving_checkpoint stops at check_recipe_supported
     if "act_block" not in quant:  # act_block is a rollout setting, not part of the checkpoint
-        assert ConvertOptions.from_recipe(recipe) != vllm_serving_options(recipe)
+        assert ConvertOptions(recipe.quant).record() != vllm_serving_options(recipe)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fp8rl.checkpoint import CheckpointError, ConvertOptions, convert_checkpoint
-from fp8rl.config import RunConfig, load_recipe
+from fp8rl.config import QuantConfig, RunConfig, load_recipe
 from fp8rl.errors import UserError
 from fp8rl.fp8_coverage import fp8_linear_counts
 
@@ -36,17 +36,17 @@ def test_a_block_conversion_that_quantizes_nothing_is_refused_and_writes_nothing
 def test_every_layer_kept_in_bf16_is_refused_too(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     with pytest.raises(CheckpointError, match="every decoder layer is kept in BF16"):
         convert_checkpoint(
-            tiny_models["tiny"], tmp_path / "a", ConvertOptions(bf16_first_layers=2), show_progress=False
+            tiny_models["tiny"], tmp_path / "a", ConvertOptions(QuantConfig(bf16_first_layers=2)), show_progress=False
         )
 
 
 def test_conversions_that_quantize_pass(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     assert len(convert_checkpoint(tiny_models["tiny"], tmp_path / "a", show_progress=False).tensors) == 14
-    row = convert_checkpoint(tiny_models["tiny-odd"], tmp_path / "b", ConvertOptions(granularity="row"),
+    row = convert_checkpoint(tiny_models["tiny-odd"], tmp_path / "b", ConvertOptions(QuantConfig(granularity="row")),
                              show_progress=False)  # fmt: skip
     assert len(row.tensors) == 14
     # one layer of two kept in BF16: half the eligible weights are FP8, which passes
-    half = convert_checkpoint(tiny_models["tiny"], tmp_path / "c", ConvertOptions(bf16_first_layers=1),
+    half = convert_checkpoint(tiny_models["tiny"], tmp_path / "c", ConvertOptions(QuantConfig(bf16_first_layers=1)),
                               show_progress=False)  # fmt: skip
     assert len(half.tensors) == 7
 

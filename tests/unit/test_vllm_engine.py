@@ -19,7 +19,14 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from fp8rl.config import ConfigError, RolloutConfig, kv_scales_calibrated, load_recipe, parse_run_config
+from fp8rl.config import (
+    ConfigError,
+    QuantConfig,
+    RolloutConfig,
+    kv_scales_calibrated,
+    load_recipe,
+    parse_run_config,
+)
 from fp8rl.errors import UserError
 from fp8rl.models import make_tiny_model
 from fp8rl.models.loading import read_model_config
@@ -388,7 +395,9 @@ def test_given_fp8_checkpoints_of_another_layout_are_refused(tiny_models: dict[s
     from fp8rl.checkpoint.convert import ConvertOptions, convert_checkpoint
 
     per_tensor = tmp_path / "tensor"
-    convert_checkpoint(tiny_models["tiny"], per_tensor, ConvertOptions(granularity="tensor"), show_progress=False)
+    convert_checkpoint(
+        tiny_models["tiny"], per_tensor, ConvertOptions(QuantConfig(granularity="tensor")), show_progress=False
+    )
     with pytest.raises(
         UserError,
         match=r"checkpoint is FP8 tensor, but the engine serves recipe 'fp8-rollout' as FP8 block \[128, 128\]",
