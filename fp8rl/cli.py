@@ -330,6 +330,12 @@ def _add_bench_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
     add_step_bench_arguments(p)
     p.set_defaults(func=_cmd_bench_step)
+    p = bench.add_parser("rollout", help="generation throughput per recipe: bf16, FP8, FP8 + FP8 KV cache (tokens/s)")
+    from fp8rl.bench.rollout_cli import add_arguments as add_rollout_bench_arguments
+    from fp8rl.bench.rollout_cli import main_with_args as bench_rollout
+
+    add_rollout_bench_arguments(p)
+    p.set_defaults(func=bench_rollout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
