@@ -12,8 +12,9 @@ STUDY=${STUDY:-sft} DEADLINE_S=${DEADLINE_S:-1500}
 SFT_STEPS=${SFT_STEPS:-20} SFT_ROUNDS=${SFT_ROUNDS:-6} SFT_TARGET=${SFT_TARGET:-0.15} SFT_LR=${SFT_LR:-1e-5}
 W=/tmp/gem; mkdir -p "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-# about 9 GB a run (vLLM engine with a 1 GB KV cache, trainer with its AdamW state in host memory): 12 on an H200
-PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 9000 ))}
+# 9 runs at once filled an H100's 80 GB and 4 of them died at start (vLLM engine with a 1 GB KV cache, trainer with
+# its AdamW state in host memory, the 262,144-token head's logits): 12 GB a run, 6 on an H100, 11 on an H200
+PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 12000 ))}
 echo "runs at once: $PARALLEL"
 python3 -c "import vllm, torch, transformers, mlflow; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__)"
 if [ ! -e "$W/gemma/config.json" ]; then
@@ -34,9 +35,18 @@ if [ ! -e "$W/sft-final/config.json" ]; then
   done
   ln -sfn "$src" "$W/sft-final"
 fi
+# the warmed checkpoint under both engines, greedy on the study's held-out set: the RL runs' step 0 is vLLM's
+python3 experiments/engine_agreement.py "$W/sft-final" --config "$CONFIG" > "$RES/engine_agreement.log" 2>&1
+tail -n 3 "$RES/engine_agreement.log"
+# every run's log copied under $RES every 30 s: a machine lost mid-study still leaves them with the caller
 (
-  while sleep 30; do nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader; done
-) > "$RES/gpu_memory.log" 2>&1 &
+  while sleep 30; do
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >> "$RES/gpu_memory.log"
+    for f in "$W"/acc/"$STUDY"/runs/*/train.log; do
+      [ -e "$f" ] && grep -v -E 'Loading|Writing' "$f" > "$RES/run-$(basename "$(dirname "$f")").log"
+    done
+  done
+) 2>/dev/null &
 smi=$!
 python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \
   --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$W/acc" --study "$STUDY"
