@@ -4,7 +4,7 @@
 # wheels' parts (`gpu_stack.sh pack-file` of a tar of the five wheels, then `file-part`); results under $RES.
 # The warm-up runs in rounds of SFT_STEPS steps (each from the last round's checkpoint) until the held-out accuracy
 # reaches SFT_TARGET or SFT_ROUNDS rounds ran: RL then starts just above the floor the study asks for (0.1), with the
-# most room to move. RECIPES, SEEDS, PARALLEL, STUDY and DEADLINE_S set the study; a second start resumes it.
+# most room to move. RECIPES, SEEDS, PARALLEL, STUDY, SET and DEADLINE_S set the study; a second start resumes it.
 set -uo pipefail
 CONFIG=docs/configs/accuracy/gemma3-270m-sft.yaml
 RECIPES=${RECIPES:-bf16,docs/configs/accuracy/fp8-rollout-no-is.yaml,fp8-rollout,fp8-e2e} SEEDS=${SEEDS:-0,1,2}
@@ -48,8 +48,9 @@ tail -n 3 "$RES/engine_agreement.log"
   done
 ) 2>/dev/null &
 smi=$!
+setflags=(); for s in ${SET:-}; do setflags+=(--set "$s"); done  # SET='optim.lr=2e-6 steps=60': run-config overrides
 python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \
-  --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$W/acc" --study "$STUDY"
+  --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$W/acc" --study "$STUDY" "${setflags[@]}"
 echo "STUDY_RC $?"
 kill "$smi" 2>/dev/null
 python3 -m fp8rl accuracy report --work-dir "$W/acc" --study "$STUDY" --json "$RES/accuracy-gemma3-270m-$STUDY.json" \
