@@ -121,7 +121,6 @@ def sft_checkpoint(
     settings.check()
     if Path(out_dir).exists() and not overwrite:
         raise UserError(f"{out_dir} already exists (pass --overwrite to replace it)")
-    random.seed(settings.seed)
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)
     train, heldout = task_examples(cfg)

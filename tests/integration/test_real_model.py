@@ -74,7 +74,8 @@ def test_one_rl_step_per_recipe_with_chat_template_and_last_number_reward(smollm
                 "eval_every": 1,
                 "eval_examples": 4,
                 "eval_samples": 0,
-                "grpo": {"prompts_per_step": 4, "group_size": 2},
+                # enough groups that one holds rewards that differ (a step whose groups all agree has no gradient)
+                "grpo": {"prompts_per_step": 4, "group_size": 4},
                 "sampling": {"max_tokens": 16},
                 "optim": {"lr": 1e-6, "micro_batch_size": 8},
                 "task": {"type": "jsonl", "train": str(train), "test": str(test)},
