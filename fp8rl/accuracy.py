@@ -9,14 +9,20 @@ the published claims (``TARGETS``), logs accuracy and mismatch curves and the ta
 one JSON record per run.
 
 Files under ``<work_dir>/<study>/``: ``parent_run_id``, ``runs/<recipe>-seed<seed>/`` (the run's config, its loop
-checkpoints, ``train.log`` and ``done`` once it finished).
+checkpoints while it runs, ``train.log`` and ``done`` once it finished).  A loop checkpoint holds the FP32 weights and
+AdamW's two moments (12 bytes a parameter: 3.2 GB for a 268M-parameter model), a run keeps ``run_state.KEEP`` of
+them and writes the next beside them, so before any run starts the study checks that the disk holds that for the
+runs at once, and a finished run's checkpoints are removed (``keep_checkpoints`` keeps them).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -29,6 +35,9 @@ import yaml
 from fp8rl.atomic import atomic_write_text
 from fp8rl.config import RunConfig
 from fp8rl.errors import UserError
+
+# a loop checkpoint's bytes per model parameter: the FP32 master weight and AdamW's two FP32 moments
+CHECKPOINT_BYTES_PER_PARAMETER = 12
 
 PARENT_RUN_ID_FILE = "parent_run_id"
 DONE_FILE = "done"
@@ -117,19 +126,22 @@ def run_study(
     stagger_s: float = 0.0,
     log: Callable[[str], None] = print,
     python: str = sys.executable,
+    keep_checkpoints: bool = False,
 ) -> dict[str, list[str]]:
     """Run every config (one ``fp8rl train`` process each, ``parallel`` at a time) as children of the study's
     parent run, until all are done or ``deadline_s`` seconds have passed (then the running ones are stopped, to
     resume from their checkpoints next time).  Returns ``{"done": [...], "failed": [...], "pending": [...]}``.
 
     Every config must set ``model`` and ``checkpoint_every`` (a run without checkpoints could not resume), and all
-    must share ``work_dir`` and ``experiment``.
+    must share ``work_dir`` and ``experiment``.  Raises ``UserError`` before any run starts when the disk under
+    ``work_dir`` cannot hold the runs' loop checkpoints (``disk_needed``).
     """
     _check_study(cfgs)
-    parent_id = parent_run(cfgs, study)
     root = study_dir(cfgs[0].work_dir, study) / "runs"
     runs = [StudyRun(c, root / run_name(c.recipe.name, c.seed)) for c in cfgs]
     queue = [r for r in runs if not r.done]
+    _check_disk(queue, parallel, keep_checkpoints, Path(cfgs[0].work_dir), log)
+    parent_id = parent_run(cfgs, study)
     log(f"study {study}: {len(runs) - len(queue)} of {len(runs)} runs done; parent run {parent_id}")
     t0 = time.monotonic()
     active: list[StudyRun] = []
@@ -141,7 +153,7 @@ def run_study(
             for r in active:
                 _stop(r)
             break
-        _reap(active, failed, log)
+        _reap(active, failed, log, keep_checkpoints)
         if queue and len(active) < parallel and time.monotonic() - last_launch >= stagger_s:
             r = queue.pop(0)
             _launch(r, parent_id, python)
@@ -157,9 +169,9 @@ def run_study(
     }
 
 
-def _reap(active: list[StudyRun], failed: list[str], log: Callable[[str], None]) -> None:
-    """Take the runs that exited out of ``active``: a run that succeeded is marked done, one that failed is named
-    in ``failed``."""
+def _reap(active: list[StudyRun], failed: list[str], log: Callable[[str], None], keep_checkpoints: bool) -> None:
+    """Take the runs that exited out of ``active``: a run that succeeded is marked done (and its loop checkpoints,
+    which only a resume reads, are removed unless ``keep_checkpoints``), one that failed is named in ``failed``."""
     for r in list(active):
         rc = r.proc.poll() if r.proc is not None else None
         if rc is None:
@@ -167,6 +179,8 @@ def _reap(active: list[StudyRun], failed: list[str], log: Callable[[str], None])
         active.remove(r)
         if rc == 0:
             atomic_write_text(r.directory / DONE_FILE, f"{time.time():.0f}\n")
+            if not keep_checkpoints:
+                shutil.rmtree(r.directory / "checkpoints", ignore_errors=True)
             log(f"  {r.name}: done in {time.monotonic() - r.started:.0f}s")
         else:
             failed.append(r.name)
@@ -187,3 +201,62 @@ def _check_study(cfgs: Sequence[RunConfig]) -> None:
     names = [run_name(c.recipe.name, c.seed) for c in cfgs]
     if len(set(names)) != len(names):
         raise UserError(f"recipes and seeds: a (recipe, seed) pair is given twice in {names}")
+
+
+def model_parameters(model_dir: str | Path) -> int | None:
+    """The parameter count of an HF checkpoint directory, from its safetensors headers (no tensor is read); None
+    when it has no ``*.safetensors`` file."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    count = 0
+    for path in files:
+        with path.open("rb") as f:
+            try:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            except (struct.error, ValueError) as e:
+                raise UserError(f"{path}: not a safetensors file ({e})") from None
+        count += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return count
+
+
+def disk_needed(parameters: int, runs: int, parallel: int, keep_checkpoints: bool) -> int:
+    """Bytes of loop checkpoints a study of ``runs`` pending runs holds at its peak, ``parallel`` at once: each
+    running run keeps ``KEEP`` checkpoints and writes one more beside them; a finished run keeps ``KEEP`` when
+    ``keep_checkpoints``, none otherwise."""
+    from fp8rl.run_state import KEEP
+
+    one = parameters * CHECKPOINT_BYTES_PER_PARAMETER
+    at_once = min(parallel, runs)
+    finished = (runs - at_once) * KEEP if keep_checkpoints else 0
+    return (at_once * (KEEP + 1) + finished) * one
+
+
+def _check_disk(
+    queue: Sequence[StudyRun], parallel: int, keep_checkpoints: bool, work_dir: Path, log: Callable[[str], None]
+) -> None:
+    from fp8rl.run_state import KEEP
+
+    if not queue:
+        return
+    parameters = model_parameters(queue[0].cfg.model) if queue[0].cfg.model else None
+    if parameters is None:
+        log(f"study: {queue[0].cfg.model} has no safetensors file: the checkpoints' disk use is not checked")
+        return
+    need = disk_needed(parameters, len(queue), parallel, keep_checkpoints)
+    # what the pending runs' checkpoints already take is part of that need, and not free
+    need -= sum(f.stat().st_size for r in queue for f in (r.directory / "checkpoints").rglob("*") if f.is_file())
+    probe = work_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    one = parameters * CHECKPOINT_BYTES_PER_PARAMETER / 1e9
+    if need > free:
+        raise UserError(
+            f"--parallel {parallel}: the runs' loop checkpoints need up to {need / 1e9:.1f} GB under {work_dir}, "
+            f"{free / 1e9:.1f} GB are free (a checkpoint is {one:.2f} GB: the FP32 weights and AdamW state of "
+            f"{parameters / 1e6:.0f}M parameters; each running run keeps {KEEP} and writes one more): run fewer at "
+            "once (--parallel), or free space"
+        )
+    log(f"study: loop checkpoints of {one:.2f} GB; up to {max(need, 0) / 1e9:.1f} GB of the {free / 1e9:.1f} GB free")

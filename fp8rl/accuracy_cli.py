@@ -45,7 +45,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfgs = study_configs(args)
     for c in cfgs:  # the task and the reward are checked before any run starts
         validate_inputs(c)
-    outcome = run_study(cfgs, args.study, args.parallel, args.deadline_s, args.stagger_s)
+    outcome = run_study(
+        cfgs, args.study, args.parallel, args.deadline_s, args.stagger_s, keep_checkpoints=args.keep_checkpoints
+    )
     print(f"done {len(outcome['done'])}, failed {len(outcome['failed'])}, pending {len(outcome['pending'])}")
     if outcome["failed"]:
         print("failed: " + ", ".join(outcome["failed"]))
@@ -102,6 +104,10 @@ def add_accuracy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="stop the running runs after S seconds (they resume from their checkpoints next time)",
     )  # fmt: skip
     p.add_argument("--stagger-s", type=float, default=0.0, metavar="S", help="seconds between two run starts")
+    p.add_argument(
+        "--keep-checkpoints", action="store_true",
+        help="keep a finished run's loop checkpoints (default: removed once it is done; only a resume reads them)",
+    )  # fmt: skip
     add_device_argument(p, default=None)
     add_set_argument(p)
     p.set_defaults(func=_cmd_run)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8rl.accuracy import run_study
+from fp8rl.accuracy import CHECKPOINT_BYTES_PER_PARAMETER, disk_needed, model_parameters, run_study
 from fp8rl.accuracy_report import RunRecord, check_targets, common_eval_step, run_record, study_report, summarize
 from fp8rl.errors import UserError
 
@@ -132,6 +132,59 @@ def test_a_short_study_on_cpu_stops_resumes_and_reports(tmp_path: Path, tiny_mod
         [client.get_run(parent).info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'"
     )
     assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}  # one MLflow run each, resumed
+    # a finished run's loop checkpoints are gone (only a resume reads them); its log and config stay
+    runs = tmp_path / "work" / "acc" / "runs"
+    assert not list(runs.glob("*/checkpoints")) and len(list(runs.glob("*/train.log"))) == 4
+
+
+def test_model_parameters_reads_the_safetensors_headers(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The count from the headers alone is the model's own (tied weights once), across shards too; a directory
+    without safetensors gives None, a broken file names itself."""
+    from transformers import AutoModelForCausalLM
+
+    for name in ("tiny", "small-sharded"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_models[name])
+        assert model_parameters(tiny_models[name]) == sum(p.numel() for p in model.parameters())
+    assert len(list(tiny_models["small-sharded"].glob("*.safetensors"))) > 1
+    assert model_parameters(tmp_path) is None
+    (tmp_path / "model.safetensors").write_bytes(b"\x05")
+    with pytest.raises(UserError, match="model.safetensors: not a safetensors file"):
+        model_parameters(tmp_path)
+
+
+def test_disk_needed_counts_the_runs_at_once_and_what_finished_runs_keep() -> None:
+    one = 1000 * CHECKPOINT_BYTES_PER_PARAMETER
+    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=False) == 9 * 3 * one  # 2 kept + 1 being written
+    assert disk_needed(1000, runs=2, parallel=9, keep_checkpoints=False) == 2 * 3 * one
+    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=True) == (9 * 3 + 3 * 2) * one
+
+
+def test_a_study_the_disk_cannot_hold_stops_before_any_run(
+    tmp_path: Path, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 runs of Gemma-3-270M at once need 12 x 3 checkpoints of 3.2 GB; a disk with less free stops the study
+    with an error naming --parallel before it starts a run or an MLflow parent run.  The free space is what this
+    test sets (shutil.disk_usage): a full disk is not something to make here."""
+    from collections import namedtuple
+
+    from fp8rl import accuracy
+    from fp8rl.config import load_recipe, parse_run_config
+
+    usage = namedtuple("usage", "total used free")
+    base = {"recipe": load_recipe("bf16").model_dump(), "model": str(tiny_models["tiny"]), "checkpoint_every": 1,
+            "work_dir": str(tmp_path / "work")}  # fmt: skip
+    cfgs = [parse_run_config({**base, "seed": s}, "test") for s in range(12)]
+    need = disk_needed(model_parameters(tiny_models["tiny"]) or 0, 12, 12, keep_checkpoints=False)
+    monkeypatch.setattr(accuracy.shutil, "disk_usage", lambda _p: usage(need * 2, need, need - 1))
+    with pytest.raises(UserError, match=r"--parallel 12: the runs' loop checkpoints need up to .* GB.* are free"):
+        run_study(cfgs, "acc", parallel=12, log=lambda _: None)
+    assert not (tmp_path / "work" / "acc").exists()  # no run, no parent run
+    lines: list[str] = []
+    monkeypatch.setattr(accuracy.shutil, "disk_usage", lambda _p: usage(need * 2, need, need))
+    accuracy._check_disk(
+        [accuracy.StudyRun(c, tmp_path / str(c.seed)) for c in cfgs], 12, False, tmp_path, lines.append
+    )
+    assert lines and "loop checkpoints of" in lines[0]
 
 
 def test_the_documented_study_command_parses_into_its_runs() -> None:
@@ -189,6 +242,10 @@ def test_a_run_stopped_after_a_checkpoint_resumes_into_the_same_mlflow_run(
         time.sleep(0.05)
     _stop(run)
     assert checkpoint.exists() and not run.done
+    # the estimate the study checks the disk with: 12 bytes a parameter, give or take the RNG and schedule state
+    size = (checkpoint / "state.pt").stat().st_size
+    params = model_parameters(tiny_models["tiny"]) or 0
+    assert 0.95 < size / (params * CHECKPOINT_BYTES_PER_PARAMETER) < 1.15, (size, params)
     assert "resumed" not in (run.directory / "train.log").read_text()
 
     outcome = run_study([cfg], "acc", log=lambda _: None)
