@@ -15,9 +15,10 @@ STUDY=${STUDY:-sft} DEADLINE_S=${DEADLINE_S:-1500}
 SFT_STEPS=${SFT_STEPS:-10} SFT_ROUNDS=${SFT_ROUNDS:-8} SFT_TARGET=${SFT_TARGET:-0.15} SFT_LR=${SFT_LR:-1e-5}
 W=/tmp/gem; mkdir -p "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-# 9 runs at once filled an H100's 80 GB and 4 of them died at start (vLLM engine with a 1 GB KV cache, trainer with
-# its AdamW state in host memory, the 262,144-token head's logits): 12 GB a run, 6 on an H100, 11 on an H200
-PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 12000 ))}
+# 9 runs at once filled an H100's 80 GB and 4 of them died at start; 11 on an H200 took 141 GB and 2 died (vLLM
+# engine with a 1 GB KV cache, trainer with its AdamW state in host memory, the 262,144-token head's logits): up to
+# 14.5 GB a run, 5 on an H100, 9 on an H200
+PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 14500 ))}
 echo "runs at once: $PARALLEL"
 python3 -c "import vllm, torch, transformers, mlflow; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__)"
 if [ ! -e "$W/gemma/config.json" ]; then
@@ -51,6 +52,10 @@ tail -n 3 "$RES/engine_agreement.log"
   done
 ) 2>/dev/null &
 smi=$!
+# and the disk: a running run keeps two loop checkpoints of 3.2 GB and writes a third (the study checks it too)
+disk_runs=$(python3 -c "import shutil; from fp8rl.accuracy import model_parameters as n, CHECKPOINT_BYTES_PER_PARAMETER as b
+print(shutil.disk_usage('$W').free // (3 * b * n('$W/sft-final')))")
+[ "$disk_runs" -lt "$PARALLEL" ] && { echo "runs at once: $disk_runs (the disk's free space)"; PARALLEL=$disk_runs; }
 setflags=(); for s in ${SET:-}; do setflags+=(--set "$s"); done  # SET='optim.lr=2e-6 steps=60': run-config overrides
 python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \
   --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$W/acc" --study "$STUDY" "${setflags[@]}"
