@@ -116,12 +116,15 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     bias: torch.Tensor | None = None,
     backend: GemmBackend | None = None,
+    w_dequantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``dequant(x) @ dequant(w).T (+ bias)`` with FP32 accumulation.
 
     Shapes: ``x.data [M, K]`` (activations, 1 x block groups), ``w.data [N, K]``
     (weights), result ``[M, N]`` in ``out_dtype``.  ``backend`` forces a path;
-    by default :func:`fp8_gemm_backend` chooses.
+    by default :func:`fp8_gemm_backend` chooses.  ``w_dequantized``: ``dequantize(w)`` (float32) computed
+    once by a caller whose weight does not change between calls; the emulated path uses it instead of
+    dequantizing ``w`` again (the same numbers).
     """
     if x.data.shape[-1] != w.data.shape[-1]:
         raise ValueError(f"inner dimensions differ: x {tuple(x.data.shape)} vs w {tuple(w.data.shape)}")
@@ -129,7 +132,8 @@ def fp8_gemm(
     if chosen == "scaled_mm":
         out = _scaled_mm(x, w, out_dtype)
     else:
-        out = (dequantize(x) @ dequantize(w).t()).to(out_dtype)
+        dense_w = dequantize(w) if w_dequantized is None else w_dequantized
+        out = (dequantize(x) @ dense_w.t()).to(out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)
     return out

@@ -6,6 +6,9 @@ the recipe (1x128 groups for ``block``, per token for ``row``) and calls ``fp8_g
 Weights are replaced in place (``load_``), never re-allocated.  On Hopper with the block recipe the
 forward is the fused path of ``fp8rl.quant.block_linear`` (one Triton pass quantizes the input, a
 cuBLAS block GEMM reads the weight's scales from a copy kept in cuBLAS's layout, refreshed on load).
+Where the GEMM is emulated on the CPU (no FP8 tensor cores), the dequantized FP32 weight is kept beside the FP8
+one and re-made when the weight is written: a generation then converts each weight from FP8 once, not at every
+token (the same numbers; on the CPU the copy's memory is not what FP8 saves on a GPU).
 """
 
 from __future__ import annotations
@@ -13,9 +16,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8rl.quant import QuantizedTensor, QuantSpec, fp8_gemm, get_format, quantize_activation, quantize_weight
+from fp8rl.quant import (
+    QuantizedTensor,
+    QuantSpec,
+    dequantize,
+    fp8_gemm,
+    get_format,
+    quantize_activation,
+    quantize_weight,
+)
 from fp8rl.quant.block_linear import block_linear_supported, block_mm, quantize_block_input
-from fp8rl.quant.gemm import tile_scales_for_cublas
+from fp8rl.quant.gemm import fp8_gemm_backend, tile_scales_for_cublas
 
 
 class FP8InferenceLinear(nn.Module):
@@ -34,6 +45,8 @@ class FP8InferenceLinear(nn.Module):
         self._block = q.block
         self._scale_cublas: torch.Tensor | None = None
         self._scale_key: tuple[int, int] | None = None
+        self._dense: torch.Tensor | None = None
+        self._dense_key: tuple[int, int, int, int] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> FP8InferenceLinear:
@@ -70,6 +83,18 @@ class FP8InferenceLinear(nn.Module):
             self._scale_key = key
         return self._scale_cublas
 
+    def _dequantized_weight(self) -> torch.Tensor | None:
+        """The FP32 weight for the CPU's emulated GEMM, re-made whenever ``weight`` or ``weight_scale_inv`` was
+        written (their version counters); None off the CPU."""
+        if self.weight.device.type != "cpu":
+            return None
+        key = (self.weight.data_ptr(), self.weight._version, self.weight_scale_inv.data_ptr(),
+               self.weight_scale_inv._version)  # fmt: skip
+        if self._dense is None or self._dense_key != key:
+            self._dense = dequantize(self.quantized_weight())
+            self._dense_key = key
+        return self._dense
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         w_scale = self._fused_weight_scale()
@@ -82,7 +107,9 @@ class FP8InferenceLinear(nn.Module):
                 out = out + self.bias.to(out.dtype)
             return out.to(x.dtype).reshape(*lead, self.out_features)
         xq = quantize_activation(x.reshape(-1, self.in_features), self.spec)
-        out = fp8_gemm(xq, self.quantized_weight(), out_dtype=x.dtype, bias=self.bias)
+        wq = self.quantized_weight()
+        dense = self._dequantized_weight() if fp8_gemm_backend(xq, wq) == "emulated" else None
+        out = fp8_gemm(xq, wq, out_dtype=x.dtype, bias=self.bias, w_dequantized=dense)
         return out.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

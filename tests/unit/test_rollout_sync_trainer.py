@@ -53,6 +53,32 @@ def test_inference_linear_stores_fp8_and_matches_training_forward() -> None:
     assert inf.weight.data_ptr() == ptr and float(inf.weight.float().abs().sum()) == 0
 
 
+@pytest.mark.parametrize("granularity", ["block", "row"])
+def test_the_cpu_forward_keeps_the_dequantized_weight_until_the_weight_is_written(granularity: str) -> None:
+    """On the CPU the FP32 weight is dequantized once and kept: the forward is the uncached GEMM's to the bit, and
+    every write of the weight (a sync's ``load_``, a scale written alone, any in-place copy) makes it again."""
+    from fp8rl.quant import dequantize, fp8_gemm
+
+    spec = QuantSpec(granularity=granularity)
+    inf = FP8InferenceLinear.from_linear(nn.Linear(256, 128, bias=False).to(torch.bfloat16), spec)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+
+    def uncached() -> torch.Tensor:
+        return fp8_gemm(quantize_activation(x, spec), inf.quantized_weight(), out_dtype=x.dtype)
+
+    first = inf(x)
+    assert torch.equal(first, uncached())
+    kept = inf._dense
+    assert kept is not None and torch.equal(kept, dequantize(inf.quantized_weight()))
+    assert torch.equal(inf(x), first) and inf._dense is kept  # no weight write: the same tensor, not re-made
+    inf.load_(weight=torch.randn(128, 256))  # a sync
+    assert torch.equal(inf(x), uncached()) and not torch.equal(inf(x), first)
+    inf.weight_scale_inv.mul_(2)  # the scales alone
+    assert torch.equal(inf(x), uncached())
+    inf.weight.copy_(torch.zeros(128, 256).to(inf.weight.dtype))  # any in-place writer
+    assert float(inf(x).abs().sum()) == 0
+
+
 def test_filter_logits_top_k_top_p() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
     assert torch.isinf(filter_logits(logits, 2, 1.0)[0, 2:]).all()
