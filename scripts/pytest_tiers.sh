@@ -2,9 +2,9 @@
 # make test's pytest on a 2-core machine, in two processes that each print their own summary (the second's when
 # both are done); the exit status is the worse of the two. Beside the bulk of the suite, the second runs the tiers
 # that mostly wait (tests/cluster: an API server, controllers, the KubeRay operator, and last the real node's tests,
-# whose pods run the built image) and the local recipe-comparison pipeline, then tests/image (the container images;
-# with FP8RL_IMAGES_READY_FILE set, its tests and the real node's wait for the image build that writes that file:
-# .ci/run).
+# whose pods run the built image), the local recipe-comparison pipeline and the real pretrained model, then
+# tests/image (the container images; with FP8RL_IMAGES_READY_FILE set, its tests and the real node's wait for the
+# image build that writes that file: .ci/run).
 # Arguments go to both (e.g. -x, -k EXPR). PYTHON: the interpreter (default .venv/bin/python).
 # pytest runs from its console script beside the interpreter, not as `python -m pytest`: runpy's frozen frames under
 # every test have no source file, and each `inspect.stack()` of the KFP SDK (several per pipeline step it builds) then
@@ -20,7 +20,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( half > 0 ? half : 1 ))}
 py=${PYTHON:-.venv/bin/python}
 pytest_bin="$(dirname "$py")/pytest"
 [ -x "$pytest_bin" ] || { echo "scripts/pytest_tiers.sh: no $pytest_bin (install the dev extra: make install)" >&2; exit 2; }
-side=(tests/cluster tests/integration/test_pipeline_local.py tests/image)
+# The real pretrained model's tests go beside them: with them, the two processes took about as long (2 cores).
+side=(tests/cluster tests/integration/test_pipeline_local.py tests/integration/test_real_model.py tests/image)
 side_log=$(mktemp)
 trap 'rm -f "$side_log"' EXIT
 "$pytest_bin" -p no:cacheprovider "${side[@]}" "$@" >"$side_log" 2>&1 &
