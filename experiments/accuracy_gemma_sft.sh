@@ -15,10 +15,10 @@ STUDY=${STUDY:-sft} DEADLINE_S=${DEADLINE_S:-1500}
 SFT_STEPS=${SFT_STEPS:-10} SFT_ROUNDS=${SFT_ROUNDS:-8} SFT_TARGET=${SFT_TARGET:-0.15} SFT_LR=${SFT_LR:-1e-5}
 W=/tmp/gem; mkdir -p "$W"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-# 9 runs at once filled an H100's 80 GB and 4 of them died at start; 11 on an H200 took 141 GB and 2 died (vLLM
-# engine with a 1 GB KV cache, trainer with its AdamW state in host memory, the 262,144-token head's logits): up to
-# 14.5 GB a run, 5 on an H100, 9 on an H200
-PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 14500 ))}
+# 9 runs at once filled an H100's 80 GB and 4 of them died at start; 11 filled an H200 and 2 died (vLLM engine with
+# a 1 GB KV cache, trainer with its AdamW state in host memory, the 262,144-token head's logits): 13-15 GiB a run,
+# 5 on an H100, 9 on an H200
+PARALLEL=${PARALLEL:-$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1) / 15500 ))}
 echo "runs at once: $PARALLEL"
 python3 -c "import vllm, torch, transformers, mlflow; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'mlflow', mlflow.__version__)"
 if [ ! -e "$W/gemma/config.json" ]; then
