@@ -53,8 +53,8 @@ tail -n 3 "$RES/engine_agreement.log"
 ) 2>/dev/null &
 smi=$!
 # and the disk: a running run keeps two loop checkpoints of 3.2 GB and writes a third (the study checks it too)
-disk_runs=$(python3 -c "import shutil; from fp8rl.accuracy import model_parameters as n, CHECKPOINT_BYTES_PER_PARAMETER as b
-print(shutil.disk_usage('$W').free // (3 * b * n('$W/sft-final')))")
+disk_runs=$(python3 -c "import shutil; from fp8rl.accuracy import disk_needed, model_parameters
+print(shutil.disk_usage('$W').free // disk_needed(model_parameters('$W/sft-final'), 1, 1, False))")
 [ "$disk_runs" -lt "$PARALLEL" ] && { echo "runs at once: $disk_runs (the disk's free space)"; PARALLEL=$disk_runs; }
 setflags=(); for s in ${SET:-}; do setflags+=(--set "$s"); done  # SET='optim.lr=2e-6 steps=60': run-config overrides
 python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \

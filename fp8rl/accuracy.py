@@ -17,12 +17,10 @@ runs at once, and a finished run's checkpoints are removed (``keep_checkpoints``
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -205,20 +203,14 @@ def _check_study(cfgs: Sequence[RunConfig]) -> None:
 
 def model_parameters(model_dir: str | Path) -> int | None:
     """The parameter count of an HF checkpoint directory, from its safetensors headers (no tensor is read); None
-    when it has no ``*.safetensors`` file."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
+    when it has no safetensors checkpoint."""
+    from fp8rl.checkpoint.convert import read_headers
+    from fp8rl.checkpoint.shards import INDEX_NAME, SINGLE_NAME, shard_layout
+
+    root = Path(model_dir)
+    if not (root / SINGLE_NAME).is_file() and not (root / INDEX_NAME).is_file():
         return None
-    count = 0
-    for path in files:
-        with path.open("rb") as f:
-            try:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            except (struct.error, ValueError) as e:
-                raise UserError(f"{path}: not a safetensors file ({e})") from None
-        count += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return count
+    return sum(math.prod(shape) for _, shape in read_headers(root, shard_layout(root).files).values())
 
 
 def disk_needed(parameters: int, runs: int, parallel: int, keep_checkpoints: bool) -> int:
