@@ -185,7 +185,15 @@ def start_backend(procs: Processes, work: Path, node_ip: str) -> str:
     for port in (ports.api_http, ports.api_grpc, ports.mlmd_grpc, ports.s3, *WEED_PORTS.values()):
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
             raise SystemExit(f"e2e: port {port} is in use: stop what listens there (an earlier --keep run?)")
+    db_port = start_stores(procs, work, settings)
+    url, env = start_apiserver(procs, work, settings, db_port)
+    start_controllers(procs, settings, env)
+    return url
 
+
+def start_stores(procs: Processes, work: Path, settings: BackendSettings) -> int:
+    """MariaDB, SeaweedFS (the S3 gateway) and the MLMD server; returns MariaDB's port."""
+    ports = settings.ports
     db_port = start_mariadb(work, procs.procs)
     say(f"MariaDB on 127.0.0.1:{db_port}")
 
@@ -195,7 +203,7 @@ def start_backend(procs: Processes, work: Path, node_ip: str) -> str:
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))  # fmt: skip
     (work / "weed").mkdir()
     proc, log = procs.start("seaweedfs", [
-        KFP_BIN / "weed", "server", f"-dir={work / 'weed'}", f"-ip={node_ip}", "-ip.bind=0.0.0.0",
+        KFP_BIN / "weed", "server", f"-dir={work / 'weed'}", f"-ip={settings.node_ip}", "-ip.bind=0.0.0.0",
         f"-master.port={WEED_PORTS['master']}", f"-volume.port={WEED_PORTS['volume']}", "-filer",
         f"-filer.port={WEED_PORTS['filer']}", "-s3", f"-s3.port={ports.s3}", f"-s3.config={s3_config}",
         "-master.volumeSizeLimitMB=256", "-volume.max=16",
@@ -206,7 +214,14 @@ def start_backend(procs: Processes, work: Path, node_ip: str) -> str:
     proc, log = procs.start("mlmd", [MLMD_PYTHON, Path(__file__).with_name("mlmd_server.py"), "--host", "0.0.0.0",
                                      "--port", ports.mlmd_grpc, "--sqlite", work / "mlmd.sqlite"])  # fmt: skip
     wait_for("the MLMD server", lambda: listening(ports.mlmd_grpc), 60, proc, log)
+    return db_port
 
+
+def start_apiserver(
+    procs: Processes, work: Path, settings: BackendSettings, db_port: int
+) -> tuple[str, dict[str, str]]:
+    """The KFP API server on the stores; returns its URL and the environment the controllers share with it."""
+    ports = settings.ports
     config = {**db_config("mariadb", db_port),
               "ObjectStoreConfig": {"Host": "127.0.0.1", "Port": str(ports.s3), "Secure": False,
                                     "AccessKey": S3_KEYS[0], "SecretAccessKey": S3_KEYS[1],
@@ -231,9 +246,14 @@ def start_backend(procs: Processes, work: Path, node_ip: str) -> str:
     wait_for("the KFP API server", lambda: urllib.request.urlopen(f"{url}/apis/v2beta1/healthz", timeout=2).status
              == 200, 180, proc, log)  # fmt: skip
     say(f"KFP API server at {url} (gRPC :{ports.api_grpc})")
+    return url, env
 
-    # the Kubernetes side: Argo's and KFP's CRDs, the Services that lead pods to these processes, the run namespace's
-    # Secret, ConfigMap and executor rights
+
+def start_controllers(procs: Processes, settings: BackendSettings, env: dict[str, str]) -> None:
+    """The Kubernetes side (Argo's and KFP's CRDs, the Services that lead pods to these processes, the run
+    namespace's Secret, ConfigMap and executor rights), then the persistence agent, the ScheduledWorkflow controller
+    and Argo's workflow-controller."""
+    ports = settings.ports
     for crd in sorted(CRDS.glob("*.yaml")):
         kubectl("apply", "--server-side", "-f", str(crd))
     kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(backend_manifests(settings)))
@@ -266,7 +286,6 @@ def start_backend(procs: Processes, work: Path, node_ip: str) -> str:
         if proc.poll() is not None:
             raise SystemExit(f"e2e: {what} exited ({proc.returncode}); its log {log}:\n{log.read_text()[-3000:]}")
     say("persistence agent, ScheduledWorkflow controller and Argo's workflow-controller started")
-    return url
 
 
 def install_chart(work: Path) -> dict[str, str]:
