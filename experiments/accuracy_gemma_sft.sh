@@ -6,7 +6,8 @@
 # reaches SFT_TARGET or SFT_ROUNDS rounds ran: RL then starts just above the floor the study asks for (0.1), with the
 # most room to move (rounds of 20 steps went 0.028 -> 0.098 -> 0.438 on an H100: past 0.15 in one round, so rounds
 # of 10). Runs start recipe by recipe, so a study cut short has bf16 and block fp8-e2e first. RECIPES, SEEDS,
-# PARALLEL, STUDY, SET and DEADLINE_S set the study; a second start resumes it.
+# PARALLEL, STUDY, SET and DEADLINE_S set the study (DIAGNOSE=1 adds fp8rl diagnose beside it); a second start
+# resumes it.
 set -uo pipefail
 CONFIG=docs/configs/accuracy/gemma3-270m-sft.yaml
 RECIPES=${RECIPES:-bf16,fp8-e2e,docs/configs/accuracy/fp8-rollout-no-is.yaml,fp8-rollout,fp8-e2e-row,fp8-e2e-row-kv}
@@ -42,6 +43,12 @@ fi
 # the warmed checkpoint under both engines, greedy on the study's held-out set: the RL runs' step 0 is vLLM's
 python3 experiments/engine_agreement.py "$W/sft-final" --config "$CONFIG" > "$RES/engine_agreement.log" 2>&1
 tail -n 3 "$RES/engine_agreement.log"
+# DIAGNOSE=1: fp8rl diagnose's per-layer attribution of the block-FP8 disagreement on the warmed checkpoint, beside
+# the study (a few GiB of the GPU; $RES/diagnosis/)
+if [ -n "${DIAGNOSE:-}" ]; then
+  python3 -m fp8rl diagnose "$W/sft-final" --recipe fp8-e2e --config "$CONFIG" --target 1.05 --examples 32 \
+    --max-candidates 8 --device cuda --out "$RES/diagnosis" > "$RES/diagnose.log" 2>&1 &
+fi
 # every run's log copied under $RES every 30 s: a machine lost mid-study still leaves them with the caller
 (
   while sleep 30; do
@@ -52,9 +59,13 @@ tail -n 3 "$RES/engine_agreement.log"
   done
 ) 2>/dev/null &
 smi=$!
-# and the disk: a running run keeps two loop checkpoints of 3.2 GB and writes a third (the study checks it too)
+# and the disk: a running run keeps checkpoint_keep loop checkpoints of 3.2 GB and writes one more (the study checks
+# it too)
+df -h "$W"
 disk_runs=$(python3 -c "import shutil; from fp8rl.accuracy import disk_needed, model_parameters
-print(shutil.disk_usage('$W').free // disk_needed(model_parameters('$W/sft-final'), 1, 1, False))")
+from fp8rl.config import RunConfig, load_run_config_data
+keep = load_run_config_data('$CONFIG').get('checkpoint_keep', RunConfig.model_fields['checkpoint_keep'].default)
+print(shutil.disk_usage('$W').free // disk_needed(model_parameters('$W/sft-final'), 1, 1, False, keep))")
 [ "$disk_runs" -lt "$PARALLEL" ] && { echo "runs at once: $disk_runs (the disk's free space)"; PARALLEL=$disk_runs; }
 setflags=(); for s in ${SET:-}; do setflags+=(--set "$s"); done  # SET='optim.lr=2e-6 steps=60': run-config overrides
 python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \

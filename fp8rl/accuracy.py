@@ -10,7 +10,7 @@ one JSON record per run.
 
 Files under ``<work_dir>/<study>/``: ``parent_run_id``, ``runs/<recipe>-seed<seed>/`` (the run's config, its loop
 checkpoints while it runs, ``train.log`` and ``done`` once it finished).  A loop checkpoint holds the FP32 weights and
-AdamW's two moments (12 bytes a parameter: 3.2 GB for a 268M-parameter model), a run keeps ``run_state.KEEP`` of
+AdamW's two moments (12 bytes a parameter: 3.2 GB for a 268M-parameter model), a run keeps ``checkpoint_keep`` of
 them and writes the next beside them, so before any run starts the study checks that the disk holds that for the
 runs at once, and a finished run's checkpoints are removed (``keep_checkpoints`` keeps them).
 """
@@ -213,30 +213,27 @@ def model_parameters(model_dir: str | Path) -> int | None:
     return sum(math.prod(shape) for _, shape in read_headers(root, shard_layout(root).files).values())
 
 
-def disk_needed(parameters: int, runs: int, parallel: int, keep_checkpoints: bool) -> int:
+def disk_needed(parameters: int, runs: int, parallel: int, keep_checkpoints: bool, keep: int) -> int:
     """Bytes of loop checkpoints a study of ``runs`` pending runs holds at its peak, ``parallel`` at once: each
-    running run keeps ``KEEP`` checkpoints and writes one more beside them; a finished run keeps ``KEEP`` when
-    ``keep_checkpoints``, none otherwise."""
-    from fp8rl.run_state import KEEP
-
+    running run keeps ``keep`` checkpoints (``checkpoint_keep``) and writes one more beside them; a finished run
+    keeps ``keep`` when ``keep_checkpoints``, none otherwise."""
     one = parameters * CHECKPOINT_BYTES_PER_PARAMETER
     at_once = min(parallel, runs)
-    finished = (runs - at_once) * KEEP if keep_checkpoints else 0
-    return (at_once * (KEEP + 1) + finished) * one
+    finished = (runs - at_once) * keep if keep_checkpoints else 0
+    return (at_once * (keep + 1) + finished) * one
 
 
 def _check_disk(
     queue: Sequence[StudyRun], parallel: int, keep_checkpoints: bool, work_dir: Path, log: Callable[[str], None]
 ) -> None:
-    from fp8rl.run_state import KEEP
-
     if not queue:
         return
+    keep = max(r.cfg.checkpoint_keep for r in queue)
     parameters = model_parameters(queue[0].cfg.model) if queue[0].cfg.model else None
     if parameters is None:
         log(f"study: {queue[0].cfg.model} has no safetensors file: the checkpoints' disk use is not checked")
         return
-    need = disk_needed(parameters, len(queue), parallel, keep_checkpoints)
+    need = disk_needed(parameters, len(queue), parallel, keep_checkpoints, keep)
     # what the pending runs' checkpoints already take is part of that need, and not free
     need -= sum(f.stat().st_size for r in queue for f in (r.directory / "checkpoints").rglob("*") if f.is_file())
     probe = work_dir
@@ -248,7 +245,7 @@ def _check_disk(
         raise UserError(
             f"--parallel {parallel}: the runs' loop checkpoints need up to {need / 1e9:.1f} GB under {work_dir}, "
             f"{free / 1e9:.1f} GB are free (a checkpoint is {one:.2f} GB: the FP32 weights and AdamW state of "
-            f"{parameters / 1e6:.0f}M parameters; each running run keeps {KEEP} and writes one more): run fewer at "
-            "once (--parallel), or free space"
+            f"{parameters / 1e6:.0f}M parameters; each running run keeps {keep} (checkpoint_keep) and writes one more): run "
+            "fewer at once (--parallel), keep fewer checkpoints, or free space"
         )
     log(f"study: loop checkpoints of {one:.2f} GB; up to {max(need, 0) / 1e9:.1f} GB of the {free / 1e9:.1f} GB free")

@@ -342,7 +342,7 @@ def run_rl(
         log(_step_line(name, step, cfg.steps, metrics))
         if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
             state = LoopState(step, parts.trainer.state_dict(), rng.getstate(), torch.get_rng_state(), result.initial, result.final, result.history)  # fmt: skip
-            save_loop_state(ckpt, state)
+            save_loop_state(ckpt, state, cfg.checkpoint_keep)
             out.flush()
     out.flush()
     if output_dir is not None:

@@ -5,7 +5,7 @@ A checkpoint is a directory ``step-NNNNNN/`` under the run's checkpoint director
 loop's RNG states (prompt sampling and torch), the evaluation results and every step's
 metrics so far.  It is written to a temporary directory and renamed, then ``LATEST`` is
 replaced atomically, so a reader sees the previous checkpoint or the new one, never half
-of one.  The two newest checkpoints are kept.
+of one.  The ``keep`` newest checkpoints are kept (``checkpoint_keep``, ``KEEP`` by default).
 
 Metrics reach the tracking sink only after the checkpoint that covers their step is
 saved (``MetricsBuffer``): a step that ran after the last checkpoint and was lost with a
@@ -55,8 +55,10 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def save_loop_state(root: str | os.PathLike[str], state: LoopState) -> Path:
-    """Write ``state`` as checkpoint ``step-NNNNNN`` and point ``LATEST`` at it; prune older ones."""
+def save_loop_state(root: str | os.PathLike[str], state: LoopState, keep: int = KEEP) -> Path:
+    """Write ``state`` as checkpoint ``step-NNNNNN`` and point ``LATEST`` at it; keep the ``keep`` newest."""
+    if keep < 1:
+        raise ValueError(f"keep: at least the newest checkpoint is kept, got {keep}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     target = _step_dir(root, state.step)
@@ -70,7 +72,7 @@ def save_loop_state(root: str | os.PathLike[str], state: LoopState) -> Path:
             "free space, or checkpoint less often (checkpoint_every)"
         ) from e
     atomic_write_text(root / LATEST, target.name + "\n")
-    for old in sorted(root.glob("step-*"))[:-KEEP]:
+    for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 

@@ -82,6 +82,9 @@ class RunConfig(Strict):
     verify_sync: bool = True
     # save the loop state every N steps (and at the end) when the run has a checkpoint dir; 0: never
     checkpoint_every: int = Field(0, ge=0)
+    # how many loop checkpoints a run keeps (a checkpoint is written whole before the older ones go, so 1 is safe;
+    # the peak is this plus the one being written)
+    checkpoint_keep: int = Field(2, ge=1)
     # where the one-process loop runs: auto is CUDA when a CUDA device is visible, else the CPU (fp8rl.devices);
     # Ray runs place their actors by ray.* instead
     device: Literal["auto", "cpu", "cuda"] = "auto"

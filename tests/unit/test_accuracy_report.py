@@ -154,9 +154,10 @@ def test_model_parameters_reads_the_safetensors_headers(tiny_models: dict[str, P
 
 def test_disk_needed_counts_the_runs_at_once_and_what_finished_runs_keep() -> None:
     one = 1000 * CHECKPOINT_BYTES_PER_PARAMETER
-    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=False) == 9 * 3 * one  # 2 kept + 1 being written
-    assert disk_needed(1000, runs=2, parallel=9, keep_checkpoints=False) == 2 * 3 * one
-    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=True) == (9 * 3 + 3 * 2) * one
+    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=False, keep=2) == 9 * 3 * one  # 2 + 1 being written
+    assert disk_needed(1000, runs=2, parallel=9, keep_checkpoints=False, keep=2) == 2 * 3 * one
+    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=True, keep=2) == (9 * 3 + 3 * 2) * one
+    assert disk_needed(1000, runs=12, parallel=9, keep_checkpoints=True, keep=1) == (9 * 2 + 3 * 1) * one
 
 
 def test_a_study_the_disk_cannot_hold_stops_before_any_run(
@@ -174,7 +175,7 @@ def test_a_study_the_disk_cannot_hold_stops_before_any_run(
     base = {"recipe": load_recipe("bf16").model_dump(), "model": str(tiny_models["tiny"]), "checkpoint_every": 1,
             "work_dir": str(tmp_path / "work")}  # fmt: skip
     cfgs = [parse_run_config({**base, "seed": s}, "test") for s in range(12)]
-    need = disk_needed(model_parameters(tiny_models["tiny"]) or 0, 12, 12, keep_checkpoints=False)
+    need = disk_needed(model_parameters(tiny_models["tiny"]) or 0, 12, 12, keep_checkpoints=False, keep=2)
     monkeypatch.setattr(accuracy.shutil, "disk_usage", lambda _p: usage(need * 2, need, need - 1))
     with pytest.raises(UserError, match=r"--parallel 12: the runs' loop checkpoints need up to .* GB.* are free"):
         run_study(cfgs, "acc", parallel=12, log=lambda _: None)
@@ -231,17 +232,17 @@ def test_a_run_stopped_after_a_checkpoint_resumes_into_the_same_mlflow_run(
         "task": {"type": "word-problems", "difficulty": 1, "train_size": 64},
         "sampling": {"max_tokens": 4}, "grpo": {"prompts_per_step": 2, "group_size": 2},
         "steps": 30, "eval_every": 10, "eval_examples": 4, "eval_samples": 0, "checkpoint_every": 1,
-        "device": "cpu", "work_dir": str(work),
+        "checkpoint_keep": 1, "device": "cpu", "work_dir": str(work),
     }  # fmt: skip
     cfg = parse_run_config(data, "test")
     run = StudyRun(cfg, work / "acc" / "runs" / "bf16-seed0")
     _launch(run, parent_run([cfg], "acc"), sys.executable)
-    checkpoint = run.directory / "checkpoints" / "step-000001"
+    first, checkpoint = (run.directory / "checkpoints" / f"step-00000{s}" for s in (1, 2))
     deadline = time.monotonic() + 240
-    while not checkpoint.exists() and time.monotonic() < deadline and run.proc.poll() is None:  # type: ignore[union-attr]
+    while (not checkpoint.exists() or first.exists()) and time.monotonic() < deadline and run.proc.poll() is None:  # type: ignore[union-attr]
         time.sleep(0.05)
     _stop(run)
-    assert checkpoint.exists() and not run.done
+    assert checkpoint.exists() and not first.exists() and not run.done  # checkpoint_keep 1: the newest only
     # the estimate the study checks the disk with: 12 bytes a parameter, give or take the RNG and schedule state
     size = (checkpoint / "state.pt").stat().st_size
     params = model_parameters(tiny_models["tiny"]) or 0

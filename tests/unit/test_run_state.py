@@ -40,3 +40,16 @@ def test_a_failed_write_names_the_checkpoint_and_the_free_space_and_leaves_the_p
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-000001"]
     loaded = load_latest(tmp_path)
     assert loaded is not None and loaded.step == 1
+
+
+def test_keep_prunes_all_but_the_newest_checkpoints(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save_loop_state(tmp_path, _state(step), keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-000003"]
+    for step in (4, 5):
+        save_loop_state(tmp_path, _state(step))  # the default keeps two
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-000004", "step-000005"]
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 5
+    with pytest.raises(ValueError, match="keep"):
+        save_loop_state(tmp_path, _state(6), keep=0)
