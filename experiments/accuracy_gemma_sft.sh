@@ -15,6 +15,7 @@ SEEDS=${SEEDS:-0,1,2}
 STUDY=${STUDY:-sft} DEADLINE_S=${DEADLINE_S:-1500}
 SFT_STEPS=${SFT_STEPS:-10} SFT_ROUNDS=${SFT_ROUNDS:-8} SFT_TARGET=${SFT_TARGET:-0.15} SFT_LR=${SFT_LR:-1e-5}
 W=/tmp/gem; mkdir -p "$W"
+ACC=${ACC:-$W/acc}; mkdir -p "$ACC"  # the study's runs and their checkpoints (ACC=/dev/shm/acc: another disk)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 # 9 runs at once filled an H100's 80 GB and 4 of them died at start; 11 filled an H200 and 2 died (vLLM engine with
 # a 1 GB KV cache, trainer with its AdamW state in host memory, the 262,144-token head's logits): 13-15 GiB a run,
@@ -53,7 +54,7 @@ fi
 (
   while sleep 30; do
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader >> "$RES/gpu_memory.log"
-    for f in "$W"/acc/"$STUDY"/runs/*/train.log; do
+    for f in "$ACC"/"$STUDY"/runs/*/train.log; do
       [ -e "$f" ] && grep -v -E 'Loading|Writing' "$f" > "$RES/run-$(basename "$(dirname "$f")").log"
     done
   done
@@ -61,20 +62,20 @@ fi
 smi=$!
 # and the disk: a running run keeps checkpoint_keep loop checkpoints of 3.2 GB and writes one more (the study checks
 # it too)
-df -h "$W"
+df -h "$W" "$ACC"
 disk_runs=$(python3 -c "import shutil; from fp8rl.accuracy import disk_needed, model_parameters
 from fp8rl.config import RunConfig, load_run_config_data
 keep = load_run_config_data('$CONFIG').get('checkpoint_keep', RunConfig.model_fields['checkpoint_keep'].default)
-print(shutil.disk_usage('$W').free // disk_needed(model_parameters('$W/sft-final'), 1, 1, False, keep))")
+print(shutil.disk_usage('$ACC').free // disk_needed(model_parameters('$W/sft-final'), 1, 1, False, keep))")
 [ "$disk_runs" -lt "$PARALLEL" ] && { echo "runs at once: $disk_runs (the disk's free space)"; PARALLEL=$disk_runs; }
 setflags=(); for s in ${SET:-}; do setflags+=(--set "$s"); done  # SET='optim.lr=2e-6 steps=60': run-config overrides
 python3 -m fp8rl accuracy run --config "$CONFIG" --model "$W/sft-final" --seeds "$SEEDS" --recipes "$RECIPES" \
-  --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$W/acc" --study "$STUDY" "${setflags[@]}"
+  --parallel "$PARALLEL" --stagger-s 3 --deadline-s "$DEADLINE_S" --work-dir "$ACC" --study "$STUDY" "${setflags[@]}"
 echo "STUDY_RC $?"
 kill "$smi" 2>/dev/null
-python3 -m fp8rl accuracy report --work-dir "$W/acc" --study "$STUDY" --json "$RES/accuracy-gemma3-270m-$STUDY.json" \
+python3 -m fp8rl accuracy report --work-dir "$ACC" --study "$STUDY" --json "$RES/accuracy-gemma3-270m-$STUDY.json" \
   --markdown "$RES/accuracy-gemma3-270m-$STUDY.md"
-for f in "$W"/acc/"$STUDY"/runs/*/train.log; do
+for f in "$ACC"/"$STUDY"/runs/*/train.log; do
   r=$(basename "$(dirname "$f")"); grep -E 'FP8 linears|held-out|step [0-9]+/|Error' "$f" | tail -n 60 | sed "s/^/$r: /"
 done > "$RES/study_runs.log"
-find "$W/acc" -name '*.png' -path '*plots*' -exec cp {} "$RES/" \;
+find "$ACC" -name '*.png' -path '*plots*' -exec cp {} "$RES/" \;

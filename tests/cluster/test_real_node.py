@@ -391,56 +391,26 @@ def test_a_failing_step_ends_the_mlflow_runs_failed(
     _wait(lambda: _no_rayjobs_or_ray_pods(cluster, ns), 120, "the failed RayJob cleaned up")
 
 
-def test_mlflow_restarted_mid_run_loses_no_step(
+def test_mlflow_restarted_then_a_ray_worker_killed_mid_run_lose_no_step(
     real_cluster: Any, real_namespace: str, release: Path, tiny_models: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """The MLflow server's pod is deleted while the RL step logs to it: its Deployment brings it back on the same
-    volume, the client's retries carry the step's logging over the gap, and the run holds every step once."""
+    """Two faults in one RL step, one after the other (one RayCluster to start, not two):
+
+    - the MLflow server's pod is deleted once the first checkpoint's metrics are logged: its Deployment brings it
+      back on the same volume and the client's retries carry the step's logging over the gap (the next
+      checkpoint's metrics arrive);
+    - then the Ray worker pod is killed (its actors die with it): KubeRay starts a new worker pod, the driver
+      replaces the actors and resumes from the last checkpoint (``ray.max_restarts``).
+
+    The run ends FINISHED holding every step once."""
     cluster, ns = real_cluster, real_namespace
     kfp_run = uuid.uuid4().hex
     parent, ref = _start_tracking(cluster, ns, release, kfp_run)
     model = _stage_model(release, tiny_models["tiny"])
-    steps = 100  # the tiny model's steps take 0.1-0.4 s: 10-40 s of logging, across the restart
-    core = _core(cluster)
-    core.create_namespaced_pod(ns, _rl_step_pod(cluster, kfp_run, model, ref, "bf16", steps, RUN_CONFIG))
-    mlflow = Mlflow(cluster, ns)
-    client = mlflow.client(monkeypatch)
-    experiment = client.get_run(parent).info.experiment_id
-
-    def first_step_logged() -> bool:
-        (child,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
-        return bool(client.get_metric_history(child.info.run_id, "train/loss"))
-
-    _wait(first_step_logged, 600, "the first step's metrics in MLflow", poll_s=0.5)
-    (server,) = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=mlflow").items
-    core.delete_namespaced_pod(server.metadata.name, ns)
-    assert core.read_namespaced_pod("rl-step", ns).status.phase == "Running"  # the restart falls inside the run
-    t0 = time.monotonic()
-    phase = _wait(lambda: (p := core.read_namespaced_pod("rl-step", ns).status.phase) in ("Succeeded", "Failed")
-                  and p, 900, "the RL step finished", poll_s=2)  # fmt: skip
-    log = core.read_namespaced_pod_log("rl-step", ns)
-    assert phase == "Succeeded", log[-4000:]
-    (child,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
-    history = client.get_metric_history(child.info.run_id, "train/loss")
-    assert child.info.status == "FINISHED" and len({m.step for m in history}) == len(history) == steps, history
-    print(f"\n[real node] MLflow pod {server.metadata.name} deleted; the step finished {time.monotonic() - t0:.0f} s "
-          f"later with all {steps} steps logged once")  # fmt: skip
-
-
-def test_a_ray_worker_pod_killed_mid_run_resumes_from_the_checkpoint(
-    real_cluster: Any, real_namespace: str, release: Path, tiny_models: dict[str, Path],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """The Ray worker pod is killed while the RL step trains (its actors die with it): KubeRay starts a new worker
-    pod, the driver replaces the actors and resumes from the last checkpoint (``ray.max_restarts``), and the run
-    ends FINISHED holding every step once."""
-    cluster, ns = real_cluster, real_namespace
-    kfp_run = uuid.uuid4().hex
-    parent, ref = _start_tracking(cluster, ns, release, kfp_run)
-    model = _stage_model(release, tiny_models["tiny"])
-    steps = 100  # 0.1-0.4 s each: the worker dies long before the end
-    config = {**RUN_CONFIG, "checkpoint_every": 20, "ray": {**RUN_CONFIG["ray"], "max_restarts": 2}}
+    # metrics reach MLflow at each checkpoint; steps take 0.1-0.4 s, so both faults fall well inside the run
+    steps, every = 60, 10
+    config = {**RUN_CONFIG, "checkpoint_every": every, "ray": {**RUN_CONFIG["ray"], "max_restarts": 2}}
     core = _core(cluster)
     core.create_namespaced_pod(ns, _rl_step_pod(cluster, kfp_run, model, ref, "bf16", steps, config))
     client = Mlflow(cluster, ns).client(monkeypatch)
@@ -450,12 +420,23 @@ def test_a_ray_worker_pod_killed_mid_run_resumes_from_the_checkpoint(
         (child,) = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
         return len(client.get_metric_history(child.info.run_id, "train/loss"))
 
-    _wait(lambda: steps_logged() >= 2, 600, "two steps logged", poll_s=0.5)
+    def finished() -> str | None:
+        phase = core.read_namespaced_pod("rl-step", ns).status.phase
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    _wait(lambda: steps_logged() >= every, 600, "the first checkpoint's steps in MLflow", poll_s=0.5)
+    (server,) = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=mlflow").items
+    core.delete_namespaced_pod(server.metadata.name, ns)
+    assert core.read_namespaced_pod("rl-step", ns).status.phase == "Running"  # the restart falls inside the run
+    t0 = time.monotonic()
+    _wait(lambda: steps_logged() >= 2 * every, 600, "the next checkpoint's steps in the restarted MLflow", poll_s=1)
+    print(
+        f"\n[real node] MLflow pod {server.metadata.name} deleted; logging went on {time.monotonic() - t0:.0f} s later"
+    )
     (worker,) = core.list_namespaced_pod(ns, label_selector="fp8rl/role=worker").items
     core.delete_namespaced_pod(worker.metadata.name, ns, grace_period_seconds=0)
     assert core.read_namespaced_pod("rl-step", ns).status.phase == "Running"  # killed inside the run
-    phase = _wait(lambda: (p := core.read_namespaced_pod("rl-step", ns).status.phase) in ("Succeeded", "Failed")
-                  and p, 900, "the RL step finished", poll_s=2)  # fmt: skip
+    phase = _wait(finished, 900, "the RL step finished", poll_s=2)
     log = core.read_namespaced_pod_log("rl-step", ns)
     if phase == "Failed":  # the other promise: a failure that names the pod
         assert worker.metadata.name in log, log[-4000:]
@@ -465,7 +446,7 @@ def test_a_ray_worker_pod_killed_mid_run_resumes_from_the_checkpoint(
     history = client.get_metric_history(child.info.run_id, "train/loss")
     assert child.info.status == "FINISHED", child.info
     assert sorted(m.step for m in history) == sorted({m.step for m in history}) and len(history) == steps, history
-    print(f"\n[real node] worker pod {worker.metadata.name} killed after 2 steps; resumed, {steps} steps logged once")
+    print(f"[real node] worker pod {worker.metadata.name} killed; resumed, all {steps} steps logged once")
 
 
 def test_helm_upgrade_with_a_new_image_tag_replaces_the_ray_pods(
