@@ -119,10 +119,11 @@ def test_the_benchmark_pipeline_runs_a_bench_preset(tmp_path: Path, monkeypatch:
 
 def test_recipe_comparison_runs_every_recipe_with_every_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``seeds``: one RL step, evaluation and benchmark per recipe and seed, each its own MLflow run under the one
-    comparison run, and a row each in the report."""
+    comparison run, and a row each in the report. ``backend=process``: the RL steps run in their own processes,
+    without Ray (the test above covers the local Ray)."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     work = tmp_path / "work"
-    params = ["recipes=[bf16]", "seeds=[0, 1]", "sft_steps=0", "rl_steps=1", "bench_steps=1",
+    params = ["recipes=[bf16]", "seeds=[0, 1]", "sft_steps=0", "rl_steps=1", "bench_steps=1", "backend=process",
               "run_config={grpo: {prompts_per_step: 2, group_size: 2}, eval_examples: 4, eval_samples: 0}"]  # fmt: skip
     assert (
         main(["recipe-comparison", "--local", "--work-dir", str(work), *(a for p in params for a in ("--param", p))])
@@ -138,3 +139,7 @@ def test_recipe_comparison_runs_every_recipe_with_every_seed(tmp_path: Path, mon
     assert all("bench/step_s" in c.data.metrics and "evaluate/accuracy" in c.data.metrics for c in runs.values())
     report = Path(client.download_artifacts(parent.info.run_id, "comparison.md", str(tmp_path / "dl"))).read_text()
     assert "| bf16-seed0 |" in report and "| bf16-seed1 |" in report
+    (log,) = (work / "kfp-local").glob("recipe-comparison-*.log")
+    assert "started a local Ray" not in log.read_text() and all(
+        "ray.layout" not in c.data.params for c in runs.values()
+    )
