@@ -189,13 +189,13 @@ def real_cluster(cluster_tools: Path, tmp_path_factory: pytest.TempPathFactory) 
     import subprocess
     import time
 
+    image = _component_image()  # first: `make node-deps`, which brings the node's packages, runs before that build
     missing = missing_dependencies()
     if missing:
         _real_node_unavailable("the real node needs: " + "; ".join(missing) + " (make node-deps)")
     kube = cluster_tools / "bin" / "kube"
     if subprocess.run([str(kube), "kubelet", "--version"], capture_output=True).returncode != 0:
         _real_node_unavailable(f"{kube} has no kubelet: rebuild it with scripts/k8s_control_plane.sh")
-    image = _component_image()
     work = tmp_path_factory.mktemp("real-cluster")
     cp = ControlPlane(cluster_tools, work / "control-plane", node_ip=host_ip(), kwok=False)
     store = Path(os.environ.get("FP8RL_NODE_STORE") or cluster_tools.parent / "node-store")
