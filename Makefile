@@ -80,9 +80,8 @@ e2e: k8s-tools node-deps images
 	  $(addprefix --image ,$(KFP_IMAGES))
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py
 
-# --durations: the slowest tests, printed by every run (what CI's time goes to). The cluster and image tiers, and the
-# long runs, run in two more pytest processes beside the rest (scripts/pytest_tiers.sh); `$(BIN)/python -m pytest`
-# runs everything in one.
+# --durations: the slowest tests, printed by every run (what CI's time goes to). The cluster and image tiers run in a
+# second pytest process beside the rest (scripts/pytest_tiers.sh); `$(BIN)/python -m pytest` runs everything in one.
 PYTEST_ARGS ?= --durations=25
 test: lint typecheck k8s-tools
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) PYTHON=$(BIN)/python scripts/pytest_tiers.sh $(PYTEST_ARGS)
