@@ -277,9 +277,6 @@ class OciLayout:
         path = self._emptied_list
         return set(path.read_text().split()) if path.is_file() else set()
 
-    def is_emptied(self, digest: str) -> bool:
-        return digest in self.emptied()
-
     def clear(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -451,7 +448,7 @@ class RealNode:
         manifest = layout.copy_from_podman(ref, name)
         unpacked = {line.split()[0] for line in self.ctr("snapshots", "list").stdout.decode().splitlines()[1:]}
         needed = layout.layers_to_send(manifest, unpacked)
-        if any(layout.is_emptied(d) for d in needed):  # the store lost layers the layout gave up: start it again
+        if set(needed) & layout.emptied():  # the store lost layers the layout gave up: start it again
             layout.clear()
             manifest = layout.copy_from_podman(ref, name)
         with tempfile.TemporaryFile() as output:
