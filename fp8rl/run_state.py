@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from fp8rl.atomic import atomic_directory, atomic_write_text
+from fp8rl.config.run import RunConfig
 from fp8rl.errors import UserError
 from fp8rl.tracking import MetricsSink
 
 LATEST = "LATEST"
-KEEP = 2
+KEEP: int = RunConfig.model_fields["checkpoint_keep"].default  # one default: the run config's
 
 
 @dataclass
