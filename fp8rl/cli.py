@@ -86,7 +86,11 @@ def _sft_checkpoint(args: argparse.Namespace, device: str) -> int:
     print(f"sft: {args.model} on {cfg.task.type}, device {describe_device(device)}")
     record = sft_checkpoint(cfg, args.model, args.output_dir, settings, device, overwrite=args.overwrite)
     first, last = record["heldout_accuracy"][0][1], record["heldout_accuracy"][-1][1]
-    print(f"sft: held-out accuracy {first:.3f} -> {last:.3f} in {record['seconds']:.0f}s -> {args.output_dir}")
+    loss0, loss1 = record["heldout_loss"][0][1], record["heldout_loss"][-1][1]
+    print(
+        f"sft: held-out accuracy {first:.3f} -> {last:.3f}, answer loss {loss0:.4f} -> {loss1:.4f} "
+        f"in {record['seconds']:.0f}s -> {args.output_dir}"
+    )
     print(f"wrote {Path(args.output_dir) / SFT_RECORD}")
     return 0
 

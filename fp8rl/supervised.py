@@ -12,7 +12,10 @@ verifiable task it scores near zero, few GRPO groups hold a reward that differs,
 - token-mean cross entropy on the target tokens (``TorchTrainer.sft_step``), BF16 with fp32 master weights, the run
   config's micro-batches and memory settings (``optim``), ``lr`` on a cosine schedule with a 5% warm-up;
 - held-out accuracy (greedy, ``sampling.max_tokens``, the run's reward, ``eval_examples`` problems) before and after,
-  and every ``eval_every`` steps, with the built-in engine in BF16.
+  and every ``eval_every`` steps, with the built-in engine in BF16; beside it the held-out answer loss (the same
+  token-mean cross entropy on those problems' answers, teacher-forced).  The loss moves smoothly with what the model
+  learned; greedy accuracy on a few dozen problems moves in steps of one problem, and where a small model's first
+  correct answers appear depends on the CPU's or GPU's rounding.
 
 The result is an ordinary HF checkpoint directory, written atomically, with ``fp8rl_sft.json`` beside the weights:
 the options, the task, the loss and accuracy curve (what a later RL run started from).
@@ -105,6 +108,13 @@ def _heldout_accuracy(cfg: RunConfig, model: Any, tokenizer: Any, heldout: list[
     return float(result["accuracy"])
 
 
+def _heldout_loss(trainer: TorchTrainer, batch: SequenceBatch) -> float:
+    """Token-mean cross entropy of the held-out answers (``batch``: ``answer_batch`` of the held-out problems) under
+    the trainer's current weights, no update."""
+    lp = trainer.compute_logprobs(batch, 1.0)
+    return float(-(lp * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
+
+
 def sft_checkpoint(
     cfg: RunConfig,
     model_dir: str | os.PathLike[str],
@@ -117,7 +127,8 @@ def sft_checkpoint(
     """Fine-tune the checkpoint at ``model_dir`` on ``cfg.task`` (module docstring) and save it to ``out_dir``.
 
     Returns the record written to ``out_dir/fp8rl_sft.json``: ``settings``, ``task``, ``loss`` (``[step, loss]``
-    every ``log_every`` steps), ``heldout_accuracy`` (``[step, accuracy]``, from step 0) and ``seconds``."""
+    every ``log_every`` steps), ``heldout_accuracy`` and ``heldout_loss`` (``[step, value]``, from step 0) and
+    ``seconds``."""
     settings.check()
     if Path(out_dir).exists() and not overwrite:
         raise UserError(f"{out_dir} already exists (pass --overwrite to replace it)")
@@ -128,12 +139,16 @@ def sft_checkpoint(
     tokens = special_tokens(model_dir, tok)
     optim = cfg.optim.model_copy(update={"lr": settings.lr, "warmup_steps": settings.steps // 20, "schedule": "cosine"})
     trainer = TorchTrainer(model_dir, TrainerOptions(total_steps=settings.steps, optim=optim), device=device)
+    heldout_batch = answer_batch(tok, fmt, heldout, tokens.eos_id, tokens.pad_id)
     record: dict[str, Any] = {
         "settings": asdict(settings), "task": cfg.task.model_dump(mode="json"), "model": str(model_dir),
         "loss": [], "heldout_accuracy": [[0, _heldout_accuracy(cfg, model_dir, tok, heldout, device)]],
+        "heldout_loss": [[0, _heldout_loss(trainer, heldout_batch)]],
     }  # fmt: skip
     print(
-        f"sft: {len(heldout)} held-out problems, accuracy at step 0 {record['heldout_accuracy'][0][1]:.3f}", flush=True
+        f"sft: {len(heldout)} held-out problems, accuracy at step 0 {record['heldout_accuracy'][0][1]:.3f}, "
+        f"answer loss {record['heldout_loss'][0][1]:.4f}",
+        flush=True,
     )
     t0 = time.perf_counter()
     for step in range(1, settings.steps + 1):
@@ -145,7 +160,11 @@ def sft_checkpoint(
         if step == settings.steps or (settings.eval_every and step % settings.eval_every == 0):
             acc = _heldout_accuracy(cfg, trainer.model, tok, heldout, device)
             record["heldout_accuracy"].append([step, acc])
-            print(f"sft step {step}: held-out accuracy {acc:.3f}", flush=True)
+            record["heldout_loss"].append([step, _heldout_loss(trainer, heldout_batch)])
+            print(
+                f"sft step {step}: held-out accuracy {acc:.3f}, answer loss {record['heldout_loss'][-1][1]:.4f}",
+                flush=True,
+            )
     record["seconds"] = time.perf_counter() - t0
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         trainer.save(tmp)

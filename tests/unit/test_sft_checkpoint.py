@@ -80,10 +80,14 @@ def test_sft_of_a_checkpoint_learns_the_answers_and_writes_its_record(
     record = sft_checkpoint(_cfg(), tiny_models["tiny"], out, settings)
     losses = [loss for _, loss in record["loss"]]
     assert losses[-1] < 0.7 * losses[0]  # logged from step 10 on
-    steps = [s for s, _ in record["heldout_accuracy"]]
-    assert steps == [0, 20, 40]
-    first, last = record["heldout_accuracy"][0][1], record["heldout_accuracy"][-1][1]
-    assert last > first  # the untrained tiny model answers nothing; 40 steps of one-digit sums teach some
+    assert [s for s, _ in record["heldout_accuracy"]] == [s for s, _ in record["heldout_loss"]] == [0, 20, 40]
+    assert all(0.0 <= acc <= 1.0 for _, acc in record["heldout_accuracy"])
+    # What the held-out problems show of learning is their answer loss: greedy accuracy on them moves in steps of
+    # one problem, and when the tiny model's first right answer appears depends on the CPU's rounding (0 -> 0.077
+    # -> 0 on one machine, 0 -> 0.077 -> 0.154 on another).  Here the loss went 4.91 -> 1.22 -> 1.06: the bound
+    # leaves twice that drop's margin.
+    loss0, loss20, loss40 = (loss for _, loss in record["heldout_loss"])
+    assert max(loss20, loss40) < 0.5 * loss0
     on_disk = json.loads((out / SFT_RECORD).read_text())
     assert on_disk["heldout_accuracy"] == record["heldout_accuracy"]
     assert on_disk["settings"]["lr"] == 3e-3 and on_disk["task"]["type"] == "arithmetic"
