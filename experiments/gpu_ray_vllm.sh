@@ -171,7 +171,7 @@ case $step in
                    "tests/gpu/test_sharded_trainer_cuda.py::test_sharded_trainer_on_cuda_matches_the_replicated_one[te-fp8-bench]" \
                    > $RES/pytest_te.log 2>&1; grep -h 'passed\|failed\|Error' $RES/pytest_te.log | cut -c1-240 | tail -n 12";;
           split) job="$job; echo PART split; $(bench docs/configs/bench-vllm-ray-split.yaml \
-                   "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
+                   "${RECIPES:-bf16,fp8-e2e,fp8-e2e-kv}" $RES/split "${SPLIT_SHAPE:-llama-1b}")";;
           overhead) A="${ARGS:---variants bf16,fp8-kv --modes fp8rl,neither --long-tokens 0 --profile-tokens 0}"
                  job="$job; echo PART overhead; mkdir -p $RES/overhead/in-process $RES/overhead/engine-process; \
                    CUDA_VISIBLE_DEVICES=0 OUT=$RES/overhead/in-process python3 experiments/gpu_vllm_overhead.py $A \
@@ -194,7 +194,7 @@ case $step in
                  # GATHER_8B=auto: optim.fp8_gather_once (the default) only if its GPU test passed in the tests part
                  [ "${GATHER_8B:-}" = auto ] && c8="$c8 "'$(grep -q "PASSED.*fp8_gather_once_on_cuda.*checkpointed" '$RES'/pytest_x2_trainer.log 2>/dev/null || echo --set optim.fp8_gather_once=false)'
                  job="$job; echo PART fsdp8b $c8 launch \$(cat $RES/quant_launch.json 2>/dev/null); $te_env $ql$(bench ${CONFIG_8B:-docs/configs/bench-vllm-ray-fsdp-8b.yaml} \
-                   "${FSDP8B_RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
+                   "${FSDP8B_RECIPES:-bf16,fp8-e2e,fp8-e2e-kv}" $RES/fsdp8b llama-8b "${PROMPTS_8B:-32}") \
                    ${SET_8B:-} $c8"
                  # FSDP8B_RECIPES_B: then those recipes again with SET_8B_B instead of SET_8B (another run-config
                  # setting next to the first on the same machine, in the same job), results in $RES/fsdp8b-b
@@ -209,15 +209,15 @@ case $step in
                    CUDA_VISIBLE_DEVICES=1 OUT=$RES/rollout8b/gpu1 FP8RL_GPU_WORK=/tmp/work python3 experiments/gpu_vllm_overhead.py \
                       $A --variants $V1 > $RES/rollout8b/gpu1/run.log 2>&1 & \
                    wait; grep -h 'fp8rl (repeat\|profile\|FAILED\|up in\|checkpoint in' $RES/rollout8b/*/run.log | cut -c1-300";;
-          kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml docs/configs/fp8-e2e-kv.yaml \
+          kvbudget) job="$job; echo PART kvbudget; $(bench docs/configs/bench-vllm-ray-split.yaml fp8-e2e-kv \
                    $RES/kv-all "${SPLIT_SHAPE:-llama-1b}"); $(bench docs/configs/bench-vllm-ray-split.yaml \
-                   docs/configs/fp8-e2e-kv.yaml $RES/kv-16k "${SPLIT_SHAPE:-llama-1b}") \
+                   fp8-e2e-kv $RES/kv-16k "${SPLIT_SHAPE:-llama-1b}") \
                    --set rollout.kv_calibration_tokens=16384";;
           *) echo "unknown x2 part $part"; exit 2;;
         esac
       done
     elif [ "$step" = run ]; then
-      job="$tests$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,docs/configs/fp8-e2e-kv.yaml}" $RES)"
+      job="$tests$(bench "${CONFIG:-docs/configs/bench-vllm-ray.yaml}" "${RECIPES:-bf16,fp8-e2e,fp8-e2e-kv}" $RES)"
     elif [ "$step" = ipc ]; then
       # the CUDA IPC transport's GPU tests, then the step with ray.sync ipc and, in the same call, objectstore
       job="${tests}python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ipc_sync.py tests/gpu/test_ray_ipc_sync.py \

@@ -17,7 +17,7 @@ RECIPE_DIR = Path(__file__).parent.parent / "recipes"
 CORE_RECIPES = ("bf16", "fp8-rollout", "fp8-e2e")
 # every recipe loadable by name: the core three, and fp8-e2e with the row recipe (per-token / per-channel scales)
 # without and with an FP8 KV cache, the fastest end to end on Hopper (docs/benchmarks.md)
-BUILTIN_RECIPES = (*CORE_RECIPES, "fp8-e2e-row", "fp8-e2e-row-kv")
+BUILTIN_RECIPES = (*CORE_RECIPES, "fp8-e2e-kv", "fp8-e2e-row", "fp8-e2e-row-kv")
 
 
 class QuantConfig(Strict):

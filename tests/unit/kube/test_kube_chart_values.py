@@ -457,7 +457,7 @@ def test_rayjob_defaults_contract(render) -> None:
     assert cm["metadata"]["name"] == DEFAULTS_CM
     assert set(cm["data"]) == {
         "mlflowTrackingUri", "rayjob.yaml", "recipe-bf16.yaml", "recipe-fp8-rollout.yaml", "recipe-fp8-e2e.yaml",
-        "recipe-fp8-e2e-row.yaml", "recipe-fp8-e2e-row-kv.yaml",
+        "recipe-fp8-e2e-kv.yaml", "recipe-fp8-e2e-row.yaml", "recipe-fp8-e2e-row-kv.yaml",
     }  # fmt: skip
     d = rayjob_defaults(rendered)
     # the pipeline steps' $MLFLOW_TRACKING_URI (pipelines/cluster.py) is the RayJob's tracking URI
@@ -529,7 +529,7 @@ def test_rayjob_defaults_without_a_standing_cluster(render) -> None:
     assert d["pvcName"] == "shared-models" and "rayTokenSecret" not in d
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout", "fp8-e2e", "fp8-e2e-row", "fp8-e2e-row-kv"])
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout", "fp8-e2e", "fp8-e2e-kv", "fp8-e2e-row", "fp8-e2e-row-kv"])
 def test_recipe_copies_are_byte_identical(render, recipe: str) -> None:
     source = (REPO / "fp8rl" / "recipes" / f"{recipe}.yaml").read_bytes()
     assert (CHART / "files" / "recipes" / f"{recipe}.yaml").read_bytes() == source, (
