@@ -24,9 +24,28 @@ _TWO_GPU_COLOCATED: dict[str, Any] = {
 }  # fmt: skip
 
 
+# One GPU: the trainer (FSDP2 over its one rank: the fp32 masters are the parameters and no bf16 copy of the model is
+# held; each layer's bf16 weights are gathered for its forward and backward) and one vLLM engine (CUDA graphs) share
+# the GPU, CUDA IPC sync. AdamW's two moments wait in host memory between steps; the engine sleeps (vLLM's level 1:
+# weights to host memory, KV cache freed) while the trainer runs and stays awake from the sync to the generation;
+# activations are recomputed in the backward; the decoder's RMSNorms, SiLU gate and rotary embedding are compiled.
+_ONE_GPU_COLOCATED: dict[str, Any] = {
+    "rollout": {"engine": "vllm", "enforce_eager": False, "max_model_len": 2048},
+    "optim": {"activation_checkpointing": True, "compile_elementwise": True, "offload_optimizer_state": True},
+    "ray": {
+        "trainer_workers": 1, "rollout_workers": 1, "trainer_sharding": "fsdp", "layout": "colocated", "sync": "ipc",
+        "object_store_mb": 2048, "actor_timeout_s": 1800, "sleep_after_sync": False,
+    },
+}  # fmt: skip
+
+# the headline recipe: block-scaled FP8 training (fp8-e2e-kv: 128x128 weights, 1x128 activations and gradients) with
+# an FP8 KV cache; the rollout serves per-channel FP8 weights requantized from the trainer's at every sync (vLLM's
+# W8A8 CUTLASS GEMM, 1.11x block FP8's decode at 8B), as the accuracy study ran it
+HEADLINE_RECIPES = ("bf16", "fp8-e2e-kv")
+
 # the 8B presets' rollout: per-channel FP8 weights, no prefix caching (a host-bound decode skips the per-step block
 # hashing), the FP8 KV scales calibrated on 4k tokens of the step's batch
-_ROW_KV_ROLLOUT: dict[str, Any] = {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096}
+_CHANNEL_KV_ROLLOUT: dict[str, Any] = {"fp8_scaling": "channel", "prefix_caching": False, "kv_calibration_tokens": 4096}
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +101,7 @@ PRESETS: dict[str, BenchPreset] = {
         config=_merged(
             _TWO_GPU_COLOCATED,
             {
-                "rollout": _ROW_KV_ROLLOUT,
+                "rollout": _CHANNEL_KV_ROLLOUT,
                 "optim": {"offload_optimizer_state": False},
                 # the engines stay awake from the sync to the generation (nothing sleeps and wakes only to be
                 # overwritten)
@@ -99,9 +118,33 @@ PRESETS: dict[str, BenchPreset] = {
         config=_merged(
             _TWO_GPU_COLOCATED,
             {
-                "rollout": _ROW_KV_ROLLOUT,
+                "rollout": _CHANNEL_KV_ROLLOUT,
                 "optim": {"offload_optimizer_state": True},
             },
+        ),
+    ),
+    "llama-8b-h200": BenchPreset(
+        "Llama-3.1-8B shape on one 141 GB GPU (H200): trainer and vLLM engine colocated (the engine asleep while the "
+        "trainer runs), AdamW's moments in host memory between steps, activations recomputed; bf16 against "
+        "fp8-e2e-kv (block-scaled FP8 training, per-channel FP8 rollout weights, FP8 KV cache)",
+        shape="llama-8b",
+        recipes=HEADLINE_RECIPES,
+        prompts=64,
+        config=_merged(
+            _ONE_GPU_COLOCATED,
+            {"rollout": {**_CHANNEL_KV_ROLLOUT, "gpu_memory_utilization": 0.55}},
+        ),
+    ),
+    "llama-3b-h100": BenchPreset(
+        "Llama-3.2-3B shape on one 80 GB GPU (H100), the largest Llama shape whose trainer fits beside the engine "
+        "there (an 8B trainer's fp32 masters and gradients alone take 64 GB): the llama-8b-h200 layout; bf16 "
+        "against fp8-e2e-kv",
+        shape="llama-3b",
+        recipes=HEADLINE_RECIPES,
+        prompts=64,
+        config=_merged(
+            _ONE_GPU_COLOCATED,
+            {"rollout": {**_CHANNEL_KV_ROLLOUT, "gpu_memory_utilization": 0.5}},
         ),
     ),
     "llama-1b-1gpu": BenchPreset(

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The one-GPU headline beside TRL, run on the GPU machine by `experiments/gpu_stack.sh start`: the preset of this
+# GPU (llama-8b-h200 on a 141 GB GPU, llama-3b-h100 on an 80 GB one; PRESET overrides), fp8rl's recipes then TRL's
+# GRPOTrainer (scripts/bench_peer_trl.py), results under $RES/peer. TRL and its dependencies come as wheels in
+# .carry/trl (installed here; pyarrow only where the image's is older than datasets needs).
+set -uo pipefail
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1)
+preset=${PRESET:-$([ "${mem:-0}" -gt 100000 ] && echo llama-8b-h200 || echo llama-3b-h100)}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; df -h /tmp | tail -n1; free -g | head -n2
+if [ -d .carry/trl ]; then
+  have=$(python3 -c "import pyarrow; print(pyarrow.__version__.split('.')[0])" 2>/dev/null || echo 0)
+  wheels=$(ls .carry/trl/*.whl | grep -v pyarrow); [ "$have" -lt 24 ] && wheels="$wheels $(ls .carry/trl/pyarrow-*.whl)"
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 $wheels || echo "TRL wheels: install failed"
+fi
+python3 -c "import trl, datasets, pyarrow; print('TRL', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
+echo "PRESET $preset"
+python3 scripts/bench_peer_trl.py --preset "$preset" --output-dir "$RES/peer" --work-dir /tmp/w
