@@ -16,3 +16,8 @@ fi
 python3 -c "import trl, datasets, pyarrow; print('TRL', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
 echo "PRESET $preset"
 python3 scripts/bench_peer_trl.py --preset "$preset" --output-dir "$RES/peer" --work-dir /tmp/w
+# the FP8 linear against BF16 at every decoder linear's shape of the 1B, 3B and 8B presets (16,384-token micro-batch):
+# where an FP8 GEMM pays for its quantization
+shapes=16384x512x2048,16384x2048x2048,16384x8192x2048,16384x2048x8192,16384x1024x3072,16384x3072x3072
+shapes=$shapes,16384x8192x3072,16384x3072x8192,16384x1024x4096,16384x4096x4096,16384x14336x4096,16384x4096x14336
+timeout 300 python3 -m fp8rl bench kernels --shapes "$shapes" --json "$RES/kernels-layer-shapes.json"
