@@ -51,6 +51,7 @@ class RecipeSummary:
     gen_kl: float
     fp8_linears_engine: int
     fp8_linears_trainer: int
+    accuracy_end_range: tuple[float, float] = (math.nan, math.nan)  # (lowest, highest seed)
 
     @property
     def gain(self) -> float:
@@ -72,7 +73,8 @@ class StudyReport:
     parent_run_id: str = ""
 
     def markdown(self) -> str:
-        return summary_table(self.summaries) + "\n" + targets_table(self.targets)
+        bf16_ends = [r.accuracy_end for r in self.records if r.recipe == BF16]
+        return summary_table(self.summaries, bf16_ends) + "\n" + targets_table(self.targets)
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -134,9 +136,27 @@ def summarize(records: Sequence[RunRecord]) -> list[RecipeSummary]:
                 gen_kl=statistics.fmean(r.gen_kl for r in rs),
                 fp8_linears_engine=max(r.fp8_linears_engine for r in rs),
                 fp8_linears_trainer=max(r.fp8_linears_trainer for r in rs),
+                accuracy_end_range=(min(r.accuracy_end for r in rs), max(r.accuracy_end for r in rs)),
             )
         )  # fmt: skip
     return out
+
+
+PARITY_TOLERANCE = 0.01  # how far under BF16's mean final accuracy still counts as parity (1 point)
+
+
+def at_parity(end: float, bf16_ends: Sequence[float], tolerance: float = PARITY_TOLERANCE) -> bool:
+    """A recipe's mean final accuracy ``end`` is at BF16's level: inside the BF16 seeds' range, or at most
+    ``tolerance`` under their mean (over it counts as parity too)."""
+    return min(bf16_ends) <= end <= max(bf16_ends) or end >= statistics.fmean(bf16_ends) - tolerance
+
+
+def parity_verdict(end: float, bf16_ends: Sequence[float], tolerance: float = PARITY_TOLERANCE) -> str:
+    """What a user reads for an FP8 recipe: "at parity", or "N points under BF16 (outside the seeds' spread)"."""
+    if at_parity(end, bf16_ends, tolerance):
+        return "at parity"
+    under = (statistics.fmean(bf16_ends) - end) * 100
+    return f"{under:.1f} points under BF16 (outside the seeds' spread)"
 
 
 def check_targets(records: Sequence[RunRecord], min_gain: float = 0.10, e2e_tolerance: float = 0.01) -> list[Target]:
@@ -178,7 +198,7 @@ def _e2e_accuracy_target(k: str, by: dict[str, list[RunRecord]], end: dict[str, 
         detail = f"stopped at step {steps}, bf16 evaluated at step {bf16_steps}: not comparable"
         return Target(f"{k} final accuracy matches bf16", None, detail)
     lo, hi = min(r.accuracy_end for r in by[BF16]), max(r.accuracy_end for r in by[BF16])
-    ok = lo <= end[k] <= hi or end[k] >= end[BF16] - e2e_tolerance
+    ok = at_parity(end[k], [r.accuracy_end for r in by[BF16]], e2e_tolerance)
     detail = f"{end[k]:.3f} vs bf16 {end[BF16]:.3f} (seeds {lo:.3f}..{hi:.3f})"
     return Target(f"{k} final within bf16's spread or <= {e2e_tolerance:.2f} below", ok, detail)
 
@@ -200,14 +220,17 @@ def _pm(ms: tuple[float, float]) -> str:
     return f"{ms[0]:.3f} ± {ms[1]:.3f}"
 
 
-def summary_table(summaries: Sequence[RecipeSummary]) -> str:
+def summary_table(summaries: Sequence[RecipeSummary], bf16_ends: Sequence[float] = ()) -> str:
+    """The per-recipe table; with the BF16 runs' final accuracies (``bf16_ends``, one a seed) each other recipe's
+    verdict against them (``parity_verdict``)."""
     head = ("| recipe | seeds | steps | FP8 linears (engine / trainer) | held-out accuracy, step 0 | at the end | gain "
-            "| token_mult_prob_error | gen_kl |")  # fmt: skip
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+            "| vs bf16 | token_mult_prob_error | gen_kl |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
+        verdict = "-" if s.recipe == BF16 or not bf16_ends else parity_verdict(s.accuracy_end[0], bf16_ends)
         lines.append(
             f"| {s.recipe} | {','.join(map(str, s.seeds))} | {s.steps} | {s.fp8_linears_engine} / "
-            f"{s.fp8_linears_trainer} | {_pm(s.accuracy_start)} | {_pm(s.accuracy_end)} | {s.gain:+.3f} | "
+            f"{s.fp8_linears_trainer} | {_pm(s.accuracy_start)} | {_pm(s.accuracy_end)} | {s.gain:+.3f} | {verdict} | "
             f"{s.token_mult_prob_error:.4f} | {s.gen_kl:.2e} |"
         )
     return "\n".join(lines) + "\n"

@@ -11,7 +11,16 @@ import pytest
 import yaml
 
 from fp8rl.accuracy import CHECKPOINT_BYTES_PER_PARAMETER, disk_needed, model_parameters, run_study
-from fp8rl.accuracy_report import RunRecord, check_targets, common_eval_step, run_record, study_report, summarize
+from fp8rl.accuracy_report import (
+    RunRecord,
+    StudyReport,
+    check_targets,
+    common_eval_step,
+    parity_verdict,
+    run_record,
+    study_report,
+    summarize,
+)
 from fp8rl.errors import UserError
 
 
@@ -56,6 +65,22 @@ def test_targets_hold_and_fail_as_the_numbers_say() -> None:
     noisy = _study([0.30, 0.45, 0.60], [0.4, 0.4, 0.4], 0.43, 0.30, {"bf16": 1.0, "e2e": 1.1, "rollout": 1.2})
     tis = [t for t in check_targets(noisy) if "TIS" in t.claim]
     assert tis[0].held is None and "within the seeds' spread" in tis[0].detail
+
+
+def test_each_fp8_recipe_is_said_at_parity_or_so_many_points_under_bf16() -> None:
+    bf16 = [0.44, 0.52, 0.58]  # mean 0.513
+    assert parity_verdict(0.459, bf16) == "at parity"  # inside the seeds' range
+    assert parity_verdict(0.60, bf16) == "at parity"  # over it
+    assert parity_verdict(0.431, bf16) == "8.2 points under BF16 (outside the seeds' spread)"
+    assert parity_verdict(0.505, [0.51, 0.515, 0.52]) == "at parity"  # under the range, within 1 point of the mean
+    assert parity_verdict(0.495, [0.51, 0.515, 0.52]) == "2.0 points under BF16 (outside the seeds' spread)"
+    records = [_record("bf16", s, 0.2, e, 1.0) for s, e in enumerate(bf16)]
+    records += [_record("fp8-e2e-row-kv", s, 0.2, 0.431, 1.2) for s in range(3)]
+    records += [_record("fp8-e2e-kv", s, 0.2, e, 1.1) for s, e in enumerate((0.45, 0.5, 0.55))]
+    table = StudyReport(records, summarize(records)).markdown()
+    rows = {line.split("|")[1].strip(): line.split("|")[8].strip() for line in table.splitlines()[2:5]}
+    assert rows == {"bf16": "-", "fp8-e2e-row-kv": "8.2 points under BF16 (outside the seeds' spread)",
+                    "fp8-e2e-kv": "at parity"}  # fmt: skip
 
 
 def test_record_compares_at_a_common_step_and_needs_step_zero() -> None:
