@@ -269,12 +269,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_accuracy_parser(sub)
 
+    p = sub.add_parser(
+        "recipes", help="the built-in precision recipes: what each quantizes, and what it was measured to cost or gain"
+    )
+    p.set_defaults(func=_cmd_recipes)
+
     p = sub.add_parser("demo", help="make the tiny model, convert it to FP8 and print the error report")
     p.add_argument("--work-dir", default="work", help="where the models are written (default: work)")
     p.add_argument("--preset", default="small", help="tiny-model preset: tiny | small | tiny-odd (default: small)")
     add_quant_args(p)
     p.set_defaults(func=_cmd_demo)
     return parser
+
+
+def _cmd_recipes(_args: argparse.Namespace) -> int:
+    """Each built-in recipe: rollout / training precision, scaling, KV cache, correction, then its description."""
+    import textwrap
+
+    from fp8rl.config import BUILTIN_RECIPES, load_recipe
+
+    for name in BUILTIN_RECIPES:
+        r = load_recipe(name)
+        fp8 = "fp8" in (r.rollout_precision, r.train_precision)
+        parts = [f"rollout {r.rollout_precision}", f"training {r.train_precision}"]
+        parts += [f"{r.quant.granularity} scaling"] if fp8 else []
+        parts += [f"KV cache {r.kv_cache}", f"correction {r.correction.type}"]
+        print(f"{name}: {', '.join(parts)}")
+        print(textwrap.fill(r.description, 100, initial_indent="  ", subsequent_indent="  "))
+    print("Any of these names, or a recipe YAML file, is what --recipe / --recipes take (docs/accuracy.md: the runs)")
+    return 0
 
 
 def _add_sft_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

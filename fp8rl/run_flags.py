@@ -63,7 +63,10 @@ class _RecipeList(argparse.Action):
 def add_recipes_argument(p: argparse.ArgumentParser, default: str) -> None:
     """The recipes of a comparison: ``--recipes A,B`` (canonical, like ``--seeds``) or ``--recipe A`` repeated (the
     same list); ``args.recipes`` is ``None`` when neither is given (the caller's default, named in the help)."""
-    helptext = f"recipes to run, comma-separated: bf16 | fp8-rollout | fp8-e2e | recipe.yaml (default: {default})"
+    helptext = (
+        f"recipes to run, comma-separated: bf16 | fp8-rollout | fp8-e2e | fp8-e2e-kv | ... | recipe.yaml (default: "
+        f"{default}); `fp8rl recipes` lists the built-in ones with their measured accuracy cost"
+    )
     p.add_argument("--recipes", action=_RecipeList, dest="recipes", default=None, metavar="R[,R...]", help=helptext)
     p.add_argument(
         "--recipe", action=_RecipeList, dest="recipes", metavar="R", help="one recipe; repeatable (same as --recipes)"

@@ -89,6 +89,8 @@ class Recipe(Strict):
     """A precision recipe: what is FP8 where, how it is scaled, and how mismatch is corrected."""
 
     name: str
+    # what the recipe is for and what it was measured to cost or gain (``fp8rl recipes`` prints it)
+    description: str = ""
     rollout_precision: Literal["bf16", "fp8"]
     train_precision: Literal["bf16", "fp8"]
     quant: QuantConfig = QuantConfig()

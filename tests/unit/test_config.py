@@ -215,3 +215,15 @@ def test_rollout_fp8_scaling_channel_serves_per_channel_weights_whatever_the_tra
     assert rollout_recipe(bf16.recipe, bf16.rollout) is bf16.recipe
     with pytest.raises(ConfigError, match=r"rollout.fp8_scaling"):
         parse_run_config({"recipe": E2E, "rollout": {"fp8_scaling": "tensor"}})
+
+
+def test_every_builtin_recipe_says_what_it_is_and_fp8rl_recipes_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from fp8rl.cli import main
+
+    assert all(len(load_recipe(name).description) > 40 for name in BUILTIN_RECIPES)
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split(":")[0] for line in out.splitlines() if not line.startswith((" ", "Any"))]
+    assert listed == list(BUILTIN_RECIPES)
+    assert "fp8-e2e-row: rollout fp8, training fp8, row scaling, KV cache bf16, correction tis" in out
+    assert "17 points under" in out  # the row recipe's measured cost, where a user picks a recipe
