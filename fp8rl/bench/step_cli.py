@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fp8rl.bench.presets import get_preset, preset_config
+from fp8rl.bench.presets import PRESETS, get_preset, preset_config
 from fp8rl.errors import UserError
 from fp8rl.run_flags import (
     add_device_argument,
@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``fp8rl bench step``'s arguments (``fp8rl.cli`` adds the sub-command)."""
     p.add_argument(
         "--preset", default=None, metavar="NAME",
-        help="a named layout (fp8rl.bench.presets: llama-8b-h200x2 | llama-8b-h100x2 | llama-1b-1gpu): its shape, "
-        "recipes, batch and run-config settings; --config, the flags below and --set override it",
+        help=f"a named layout (fp8rl.bench.presets: {' | '.join(PRESETS)}): its shape, recipes, batch and run-config "
+        "settings; --config, the flags below and --set override it",
     )  # fmt: skip
     p.add_argument("--model", default=None, help="a checkpoint directory (or use --shape)")
     p.add_argument(
