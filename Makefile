@@ -17,7 +17,7 @@ K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 UV_VERSION ?= 0.13.9
 UV_INSTALL := UV_NATIVE_TLS=1 $(BIN)/uv pip install --python $(BIN)/python $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL))
 
-.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e clean
+.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e chart-recipes clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -85,6 +85,12 @@ e2e: k8s-tools node-deps images
 PYTEST_ARGS ?= --durations=25
 test: lint typecheck k8s-tools
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) PYTHON=$(BIN)/python scripts/pytest_tiers.sh $(PYTEST_ARGS)
+
+# The chart's copies of the built-in recipes (Helm reads only files inside the chart): fp8rl/recipes/*.yaml copied
+# to charts/fp8rl/files/recipes/, copies of removed recipes removed; tests/unit/kube keeps the two byte-identical.
+chart-recipes:
+	rm -f charts/fp8rl/files/recipes/*.yaml
+	cp fp8rl/recipes/*.yaml charts/fp8rl/files/recipes/
 
 clean:
 	rm -rf $(VENV) $(WORK) dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
