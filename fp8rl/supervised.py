@@ -42,8 +42,8 @@ from fp8rl.models.loading import load_tokenizer
 from fp8rl.models.special_tokens import special_tokens
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.tasks import Example
-from fp8rl.tasks.prompts import PromptFormat
-from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
+from fp8rl.train.sft import answer_batch
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions
 
 SFT_RECORD = "fp8rl_sft.json"
 
@@ -66,30 +66,6 @@ class SFTSettings:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.eval_every < 0:
             raise UserError(f"--eval-every must be >= 0, got {self.eval_every}")
-
-
-def answer_ids(tokenizer: Any, fmt: PromptFormat, example: Example, eos_id: int) -> list[int]:
-    """The target tokens of ``example``: its answer, then ``eos_id``.  Under a chat template the answer is the
-    assistant turn's text; after raw prompt text it follows a space, as in running text, unless the prompt ends in
-    whitespace or ``=`` (``3+4=`` is continued with ``7``)."""
-    text = example.answer
-    if not fmt.uses_template(tokenizer):
-        prompt = fmt.text(example)
-        text = text if not prompt or prompt[-1].isspace() or prompt.endswith("=") else " " + text
-    return [*tokenizer(text, add_special_tokens=False).input_ids, eos_id]
-
-
-def answer_batch(tokenizer: Any, fmt: PromptFormat, examples: list[Example], eos_id: int, pad_id: int) -> SequenceBatch:
-    """Prompts (as the RL loop renders them) and their answers + eos, the answers right-padded and masked."""
-    prompts = fmt.encode_all(tokenizer, examples)
-    answers = [answer_ids(tokenizer, fmt, e, eos_id) for e in examples]
-    width = max(len(a) for a in answers)
-    resp = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width))
-    for i, a in enumerate(answers):
-        resp[i, : len(a)] = torch.tensor(a)
-        mask[i, : len(a)] = 1
-    return build_batch(prompts, resp, mask, pad_id)
 
 
 def _heldout_accuracy(cfg: RunConfig, model: Any, tokenizer: Any, heldout: list[Example], device: str) -> float:
