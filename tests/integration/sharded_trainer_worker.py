@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantSpec
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch, policy_batch_totals
 
 ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20
@@ -139,8 +140,7 @@ def run_case(args: argparse.Namespace, device: str, gathers: list[int], scatters
     syncs: list[list[str]] = []  # this rank's, per policy step, then the logprob pass (--count-syncs)
 
     def step() -> dict[str, float]:
-        return trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], GRPOConfig(), 1.0,
-                                   totals=totals)  # fmt: skip
+        return trainer.policy_step(PolicyStep(batch.slice(rows), adv[rows], RecomputedOld(old[rows], None, mask[rows]), GRPOConfig(), 1.0, totals))  # fmt: skip
 
     for _ in range(args.steps):
         before, scattered = gathers[0], scatters[0]
