@@ -91,6 +91,13 @@ def _heldout_loss(trainer: TorchTrainer, batch: SequenceBatch) -> float:
     return float(-(lp * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
 
 
+def _record_heldout(record: dict[str, Any], step: int, accuracy: float, loss: float, label: str) -> None:
+    """The held-out accuracy and answer loss at ``step`` into ``record``, and the progress line."""
+    record["heldout_accuracy"].append([step, accuracy])
+    record["heldout_loss"].append([step, loss])
+    print(f"{label} {accuracy:.3f}, answer loss {loss:.4f}", flush=True)
+
+
 def sft_checkpoint(
     cfg: RunConfig,
     model_dir: str | os.PathLike[str],
@@ -118,14 +125,10 @@ def sft_checkpoint(
     heldout_batch = answer_batch(tok, fmt, heldout, tokens.eos_id, tokens.pad_id)
     record: dict[str, Any] = {
         "settings": asdict(settings), "task": cfg.task.model_dump(mode="json"), "model": str(model_dir),
-        "loss": [], "heldout_accuracy": [[0, _heldout_accuracy(cfg, model_dir, tok, heldout, device)]],
-        "heldout_loss": [[0, _heldout_loss(trainer, heldout_batch)]],
+        "loss": [], "heldout_accuracy": [], "heldout_loss": [],
     }  # fmt: skip
-    print(
-        f"sft: {len(heldout)} held-out problems, accuracy at step 0 {record['heldout_accuracy'][0][1]:.3f}, "
-        f"answer loss {record['heldout_loss'][0][1]:.4f}",
-        flush=True,
-    )
+    _record_heldout(record, 0, _heldout_accuracy(cfg, model_dir, tok, heldout, device),
+                    _heldout_loss(trainer, heldout_batch), f"sft: {len(heldout)} held-out problems, accuracy at step 0")  # fmt: skip
     t0 = time.perf_counter()
     for step in range(1, settings.steps + 1):
         batch = answer_batch(tok, fmt, rng.sample(train, settings.batch_size), tokens.eos_id, tokens.pad_id)
@@ -134,13 +137,8 @@ def sft_checkpoint(
             record["loss"].append([step, loss])
             print(f"sft step {step}/{settings.steps} loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if step == settings.steps or (settings.eval_every and step % settings.eval_every == 0):
-            acc = _heldout_accuracy(cfg, trainer.model, tok, heldout, device)
-            record["heldout_accuracy"].append([step, acc])
-            record["heldout_loss"].append([step, _heldout_loss(trainer, heldout_batch)])
-            print(
-                f"sft step {step}: held-out accuracy {acc:.3f}, answer loss {record['heldout_loss'][-1][1]:.4f}",
-                flush=True,
-            )
+            _record_heldout(record, step, _heldout_accuracy(cfg, trainer.model, tok, heldout, device),
+                            _heldout_loss(trainer, heldout_batch), f"sft step {step}: held-out accuracy")  # fmt: skip
     record["seconds"] = time.perf_counter() - t0
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         trainer.save(tmp)
