@@ -160,3 +160,13 @@ def test_the_benchmark_model_and_recipes_components_resolve_the_preset() -> None
 
     assert benchmark_recipes.python_func(preset="llama-1b-1gpu", recipes=[]) == list(PRESETS["llama-1b-1gpu"].recipes)
     assert benchmark_model.python_func(preset="llama-1b-1gpu", model_source="") == "shape:llama-1b"
+
+
+def test_set_and_the_ray_flags_leave_the_preset_as_it_was() -> None:
+    before = repr(PRESETS["llama-8b-h200x2"])
+    _configs(
+        ["--preset", "llama-8b-h200x2", "--set", "rollout.prefix_caching=true", "--set", "ray.object_store_mb=4096"]
+    )
+    assert repr(PRESETS["llama-8b-h200x2"]) == before
+    _, cfgs = _configs(["--preset", "llama-8b-h200x2"])
+    assert cfgs[0].rollout.prefix_caching is False and cfgs[0].ray is not None and cfgs[0].ray.object_store_mb == 2048
