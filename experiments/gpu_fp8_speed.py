@@ -43,6 +43,7 @@ from gpu_te_speed import decoder_stack, opts
 
 from fp8rl.bench.timing import copy_bandwidth_gbs, time_ms
 from fp8rl.quant import QuantSpec
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.step_profile import category, device_ms_by_category
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 
@@ -101,7 +102,7 @@ def timed_phases(
         old = trainer.compute_logprobs(batch, 1.0)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        m = trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
+        m = trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0, totals))
         torch.cuda.synchronize()
         if i >= a.warmup:
             times.append((t1 - t0, time.perf_counter() - t1))
@@ -304,7 +305,7 @@ def rlprofile_variant(
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0, totals=totals)
+        trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0, totals))
         torch.cuda.synchronize()
         profiled_s = time.perf_counter() - t0
     with profile(activities=[ProfilerActivity.CUDA]) as prof_lp:

@@ -30,8 +30,6 @@ from transformers import PreTrainedTokenizerBase
 
 from fp8rl.build import build_parts, prompt_format, reward_for, task_examples
 from fp8rl.config import (
-    Correction,
-    GRPOConfig,
     RunConfig,
 )
 from fp8rl.evaluation import decode_responses, evaluate
@@ -48,7 +46,7 @@ from fp8rl.run_state import (
 from fp8rl.sync import SyncStats
 from fp8rl.tasks import Example
 from fp8rl.tracking import MetricsSink
-from fp8rl.train.policy_terms import CORRECTION, MISMATCH, ess_metric
+from fp8rl.train.policy_terms import CORRECTION, MISMATCH, PolicyStep, RecomputedOld, TrainForwardOld, ess_metric
 from fp8rl.train.trainer import SequenceBatch, build_batch
 
 
@@ -107,28 +105,8 @@ class Parts(Protocol):
 class PolicyTrainer(Protocol):
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor: ...
 
-    def policy_step(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        is_weights: torch.Tensor | None,
-        loss_mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        temperature: float,
-    ) -> dict[str, float]: ...
-
-    def policy_step_from_train_forward(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        rollout_logprobs: torch.Tensor,
-        mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        correction: Correction,
-        temperature: float,
-    ) -> dict[str, float]:
-        """``policy_step`` with the old logprobs from its own forward (``fp8rl.train.policy_terms``)."""
+    def policy_step(self, step: PolicyStep) -> dict[str, float]:
+        """One optimizer step over ``step.batch`` (``fp8rl.train.policy_terms.PolicyStep``)."""
         ...
 
     def profile_next_policy_step(self) -> None:
@@ -240,12 +218,12 @@ def _policy_update(
         t2 = time.perf_counter()
         mm = mismatch_metrics(rollout.logprobs, old_lp, mask)
         weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
-        train_m = trainer.policy_step(batch, adv, old_lp, weights, loss_mask, cfg.grpo, temperature)
+        old: RecomputedOld | TrainForwardOld = RecomputedOld(old_lp, weights, loss_mask)
+        train_m = trainer.policy_step(PolicyStep(batch, adv, old, cfg.grpo, temperature))
     else:  # the old logprobs are the train forward's: no logprob phase (fp8rl.train.policy_terms)
         t2 = t_scored
-        train_m = trainer.policy_step_from_train_forward(
-            batch, adv, rollout.logprobs, mask, cfg.grpo, cfg.recipe.correction, temperature
-        )
+        old = TrainForwardOld(rollout.logprobs, mask, cfg.recipe.correction)
+        train_m = trainer.policy_step(PolicyStep(batch, adv, old, cfg.grpo, temperature))
         ess = ess_metric(train_m)  # from the batch's weight moments, which it takes out of train_m
         mm, corr = _taken(train_m, MISMATCH), {**_taken(train_m, CORRECTION), **_taken(ess, CORRECTION)}
     computed, valid = train_m.pop("tokens_computed", 0.0), train_m.pop("tokens_valid", 0.0)

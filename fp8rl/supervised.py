@@ -42,8 +42,8 @@ from fp8rl.models.loading import load_tokenizer
 from fp8rl.models.special_tokens import special_tokens
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.tasks import Example
-from fp8rl.tasks.prompts import PromptFormat
-from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
+from fp8rl.train.sft import answer_batch
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions
 
 SFT_RECORD = "fp8rl_sft.json"
 
@@ -66,30 +66,6 @@ class SFTSettings:
             raise UserError(f"--lr must be > 0, got {self.lr}")
         if self.eval_every < 0:
             raise UserError(f"--eval-every must be >= 0, got {self.eval_every}")
-
-
-def answer_ids(tokenizer: Any, fmt: PromptFormat, example: Example, eos_id: int) -> list[int]:
-    """The target tokens of ``example``: its answer, then ``eos_id``.  Under a chat template the answer is the
-    assistant turn's text; after raw prompt text it follows a space, as in running text, unless the prompt ends in
-    whitespace or ``=`` (``3+4=`` is continued with ``7``)."""
-    text = example.answer
-    if not fmt.uses_template(tokenizer):
-        prompt = fmt.text(example)
-        text = text if not prompt or prompt[-1].isspace() or prompt.endswith("=") else " " + text
-    return [*tokenizer(text, add_special_tokens=False).input_ids, eos_id]
-
-
-def answer_batch(tokenizer: Any, fmt: PromptFormat, examples: list[Example], eos_id: int, pad_id: int) -> SequenceBatch:
-    """Prompts (as the RL loop renders them) and their answers + eos, the answers right-padded and masked."""
-    prompts = fmt.encode_all(tokenizer, examples)
-    answers = [answer_ids(tokenizer, fmt, e, eos_id) for e in examples]
-    width = max(len(a) for a in answers)
-    resp = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), width))
-    for i, a in enumerate(answers):
-        resp[i, : len(a)] = torch.tensor(a)
-        mask[i, : len(a)] = 1
-    return build_batch(prompts, resp, mask, pad_id)
 
 
 def _heldout_accuracy(cfg: RunConfig, model: Any, tokenizer: Any, heldout: list[Example], device: str) -> float:
@@ -115,15 +91,11 @@ def _heldout_loss(trainer: TorchTrainer, batch: SequenceBatch) -> float:
     return float(-(lp * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
 
 
-def _record_heldout(
-    record: dict[str, Any], step: int, accuracy_args: tuple[Any, ...], trainer: TorchTrainer, batch: SequenceBatch
-) -> None:
-    """Append step ``step``'s held-out accuracy (``_heldout_accuracy(*accuracy_args)``) and answer loss to
-    ``record``, and print them."""
-    acc, loss = _heldout_accuracy(*accuracy_args), _heldout_loss(trainer, batch)
-    record["heldout_accuracy"].append([step, acc])
+def _record_heldout(record: dict[str, Any], step: int, accuracy: float, loss: float, label: str) -> None:
+    """The held-out accuracy and answer loss at ``step`` into ``record``, and the progress line."""
+    record["heldout_accuracy"].append([step, accuracy])
     record["heldout_loss"].append([step, loss])
-    print(f"sft step {step}: held-out accuracy {acc:.3f}, answer loss {loss:.4f}", flush=True)
+    print(f"{label} {accuracy:.3f}, answer loss {loss:.4f}", flush=True)
 
 
 def sft_checkpoint(
@@ -155,8 +127,8 @@ def sft_checkpoint(
         "settings": asdict(settings), "task": cfg.task.model_dump(mode="json"), "model": str(model_dir),
         "loss": [], "heldout_accuracy": [], "heldout_loss": [],
     }  # fmt: skip
-    print(f"sft: {len(heldout)} held-out problems", flush=True)
-    _record_heldout(record, 0, (cfg, model_dir, tok, heldout, device), trainer, heldout_batch)
+    _record_heldout(record, 0, _heldout_accuracy(cfg, model_dir, tok, heldout, device),
+                    _heldout_loss(trainer, heldout_batch), f"sft: {len(heldout)} held-out problems, accuracy at step 0")  # fmt: skip
     t0 = time.perf_counter()
     for step in range(1, settings.steps + 1):
         batch = answer_batch(tok, fmt, rng.sample(train, settings.batch_size), tokens.eos_id, tokens.pad_id)
@@ -165,7 +137,8 @@ def sft_checkpoint(
             record["loss"].append([step, loss])
             print(f"sft step {step}/{settings.steps} loss {loss:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if step == settings.steps or (settings.eval_every and step % settings.eval_every == 0):
-            _record_heldout(record, step, (cfg, trainer.model, tok, heldout, device), trainer, heldout_batch)
+            _record_heldout(record, step, _heldout_accuracy(cfg, trainer.model, tok, heldout, device),
+                            _heldout_loss(trainer, heldout_batch), f"sft step {step}: held-out accuracy")  # fmt: skip
     record["seconds"] = time.perf_counter() - t0
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         trainer.save(tmp)

@@ -6,6 +6,7 @@ imported only when the benchmark runs."""
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,8 @@ def resolve_preset(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     if args.preset:
         preset = get_preset(args.preset)
         sizes.update(preset.sizes())
-        config = preset_config(preset, config)
+        # a copy: --set and the Ray flags write into these sections, which would otherwise be the preset's own
+        config = copy.deepcopy(preset_config(preset, config))
         if args.model is None and args.shape is None:
             args.shape = preset.shape
     sizes.update({k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None})

@@ -10,12 +10,11 @@ from typing import Any
 
 import torch
 
-from fp8rl.config import Correction, GRPOConfig
 from fp8rl.errors import UserError
 from fp8rl.rollout.base import Rollout, SamplingParams
-from fp8rl.train.policy_terms import MAXIMA
+from fp8rl.train.policy_terms import MAXIMA, PolicyStep
 from fp8rl.train.step_profile import METRIC_PREFIX as TRAIN_MS
-from fp8rl.train.trainer import SequenceBatch, policy_batch_totals
+from fp8rl.train.trainer import SequenceBatch
 
 
 class WorkerError(RuntimeError):
@@ -232,66 +231,16 @@ class TrainerGroup:
         ]
         return torch.cat(self.calls.get(refs, [f"{n}.compute_logprobs" for n in self.names[: len(refs)]]))
 
-    def policy_step(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        is_weights: torch.Tensor | None,
-        loss_mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        temperature: float,
-    ) -> dict[str, float]:
-        totals = policy_batch_totals(loss_mask)
+    def policy_step(self, step: PolicyStep) -> dict[str, float]:
+        """Each rank steps on its rows with the whole batch's totals; the ranks' metrics are their shares of the
+        batch's (``combine_rank_metrics``), the maxima among them (a train-forward step's mismatch and correction
+        maxima, ``fp8rl.train.policy_terms``) the largest."""
         # every rank takes part in the gradient all-reduce, so every rank gets rows
-        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
+        chunks = _row_chunks(step.batch.input_ids.shape[0], len(self.actors))
         if len(chunks) < len(self.actors):
-            raise ValueError(f"a batch of {batch.input_ids.shape[0]} rows cannot feed {len(self.actors)} trainer ranks")
-        refs = [
-            a.policy_step.remote(
-                batch.slice(rows),
-                advantages[rows],
-                old_logprobs[rows],
-                None if is_weights is None else is_weights[rows],
-                loss_mask[rows],
-                loss_cfg,
-                temperature,
-                totals,
-            )
-            for a, rows in zip(self.actors, chunks, strict=True)
-        ]
-        per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
-        return combine_rank_metrics(per_rank)
-
-    def policy_step_from_train_forward(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        rollout_logprobs: torch.Tensor,
-        mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        correction: Correction,
-        temperature: float,
-    ) -> dict[str, float]:
-        """``policy_step`` with the old logprobs from each rank's own forward (``fp8rl.train.policy_terms``): the
-        ranks' mismatch and correction metrics are their shares of the batch's, their maxima the largest."""
-        totals = policy_batch_totals(mask)
-        chunks = _row_chunks(batch.input_ids.shape[0], len(self.actors))
-        if len(chunks) < len(self.actors):
-            raise ValueError(f"a batch of {batch.input_ids.shape[0]} rows cannot feed {len(self.actors)} trainer ranks")
-        refs = [
-            a.policy_step_from_train_forward.remote(
-                batch.slice(rows),
-                advantages[rows],
-                rollout_logprobs[rows],
-                mask[rows],
-                loss_cfg,
-                correction,
-                temperature,
-                totals,
-            )
-            for a, rows in zip(self.actors, chunks, strict=True)
-        ]
+            n = step.batch.input_ids.shape[0]
+            raise ValueError(f"a batch of {n} rows cannot feed {len(self.actors)} trainer ranks")
+        refs = [a.policy_step.remote(step.rows(rows)) for a, rows in zip(self.actors, chunks, strict=True)]
         per_rank: list[dict[str, float]] = self.calls.get(refs, [f"{n}.policy_step" for n in self.names])
         out = combine_rank_metrics(per_rank)
         for key in MAXIMA:

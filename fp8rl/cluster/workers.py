@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from fp8rl.build import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
-from fp8rl.config import Correction, GRPOConfig, parse_run_config
+from fp8rl.config import parse_run_config
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
@@ -48,6 +48,7 @@ from fp8rl.sync.inprocess import Payload
 from fp8rl.sync.ipc import SharedPayload, open_payload, release, share_payload
 from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
 from fp8rl.sync.wire import WirePayload, from_wire, to_wire
+from fp8rl.train.policy_terms import PolicyStep
 from fp8rl.train.trainer import SequenceBatch
 
 # gloo/NCCL collectives give up after this long rather than hang on a dead peer
@@ -149,37 +150,8 @@ class TrainerWorker(_PeakMemory):
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor:
         return self.trainer.compute_logprobs(batch, temperature)
 
-    def policy_step(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        is_weights: torch.Tensor | None,
-        loss_mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        temperature: float,
-        totals: tuple[float, float],
-    ) -> dict[str, float]:
-        metrics = self.trainer.policy_step(
-            batch, advantages, old_logprobs, is_weights, loss_mask, loss_cfg, temperature, totals=totals
-        )
-        self._hand_back_cached_memory()
-        return metrics
-
-    def policy_step_from_train_forward(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        rollout_logprobs: torch.Tensor,
-        mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        correction: Correction,
-        temperature: float,
-        totals: tuple[float, float],
-    ) -> dict[str, float]:
-        metrics = self.trainer.policy_step_from_train_forward(
-            batch, advantages, rollout_logprobs, mask, loss_cfg, correction, temperature, totals=totals
-        )
+    def policy_step(self, step: PolicyStep) -> dict[str, float]:
+        metrics = self.trainer.policy_step(step)
         self._hand_back_cached_memory()
         return metrics
 

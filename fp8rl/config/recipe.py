@@ -15,9 +15,9 @@ if TYPE_CHECKING:
 RECIPE_DIR = Path(__file__).parent.parent / "recipes"
 # the three recipes every comparison is made along (DESIGN: the axis); the pipelines' default
 CORE_RECIPES = ("bf16", "fp8-rollout", "fp8-e2e")
-# every recipe loadable by name: the core three, and fp8-e2e with the row recipe (per-token / per-channel scales)
-# without and with an FP8 KV cache, the fastest end to end on Hopper (docs/benchmarks.md)
-BUILTIN_RECIPES = (*CORE_RECIPES, "fp8-e2e-kv", "fp8-e2e-row", "fp8-e2e-row-kv")
+# every recipe loadable by name: one per fp8rl/recipes/*.yaml (the file's stem), the core three first, then the rest
+# in name order; a YAML file added there is a built-in recipe, nothing else lists them
+BUILTIN_RECIPES = (*CORE_RECIPES, *sorted({p.stem for p in RECIPE_DIR.glob("*.yaml")} - set(CORE_RECIPES)))
 
 
 class QuantConfig(Strict):

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fp8rl.config import Correction
+from fp8rl.config import Correction, GRPOConfig
 from fp8rl.rl.correction import CORRECTION_MAXIMA, correction_stats, ess_from_moments
 from fp8rl.rl.metrics import MISMATCH_MAXIMA, mismatch_stats
-from fp8rl.train.batches import micro_batch_weight
+from fp8rl.train.batches import SequenceBatch, micro_batch_weight, policy_batch_totals
 from fp8rl.train.model_inputs import to_device
 
 MISMATCH, CORRECTION = "mismatch/", "correction/"
@@ -48,13 +48,18 @@ class MicroBatchTerms:
     weight: float | Tensor  # the micro-batch loss's weight in the batch's (``micro_batch_weight``)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RecomputedOld:
     """Old logprobs, IS weights and loss mask ``[N, T]`` given for the whole batch (host tensors)."""
 
     old_logprobs: Tensor
     is_weights: Tensor | None
     loss_mask: Tensor
+
+    def rows(self, sl: slice) -> RecomputedOld:
+        """The rows ``sl`` of the batch (a data-parallel rank's share)."""
+        return RecomputedOld(self.old_logprobs[sl], None if self.is_weights is None else self.is_weights[sl],
+                             self.loss_mask[sl])  # fmt: skip
 
     def host_mask(self, sl: slice) -> Tensor:
         return self.loss_mask[sl]
@@ -83,8 +88,13 @@ class TrainForwardOld:
     rollout_logprobs: Tensor
     mask: Tensor
     correction: Correction
-    _sums: dict[str, Tensor] = field(default_factory=dict)
-    _kept: list[Tensor] = field(default_factory=list)  # MIS: the kept (tokens, sequences) of each micro-batch
+    # what one update gathers; not init fields, so ``dataclasses.replace`` gives a copy with none (``PolicyStep``)
+    _sums: dict[str, Tensor] = field(default_factory=dict, init=False)
+    _kept: list[Tensor] = field(default_factory=list, init=False)  # MIS: the kept (tokens, sequences) a micro-batch
+
+    def rows(self, sl: slice) -> TrainForwardOld:
+        """The rows ``sl`` of the batch (a data-parallel rank's share)."""
+        return TrainForwardOld(self.rollout_logprobs[sl], self.mask[sl], self.correction)
 
     def host_mask(self, sl: slice) -> Tensor:
         return self.mask[sl]
@@ -128,6 +138,32 @@ class TrainForwardOld:
         if not self._sums:
             return {}
         return dict(zip(self._sums, torch.stack(list(self._sums.values())).tolist(), strict=True))
+
+
+@dataclass(frozen=True)
+class PolicyStep:
+    """One policy step's input, passed whole from the RL loop through the Ray actors to the trainer.
+
+    ``batch``: N sequences; ``advantages [N]``; ``old``: where the old logprobs, IS weights and loss mask come from
+    (``RecomputedOld``: given; ``TrainForwardOld``: the step's own forward); ``loss_cfg``: the PPO-clip/GRPO loss;
+    ``temperature``: the sampling temperature the logprobs are taken at; ``totals``: (valid tokens, valid sequences)
+    of the batch the loss is aggregated over, ``None`` for this one's (a data-parallel rank gets the whole batch's).
+    """
+
+    batch: SequenceBatch
+    advantages: Tensor
+    old: RecomputedOld | TrainForwardOld
+    loss_cfg: GRPOConfig
+    temperature: float
+    totals: tuple[float, float] | None = None
+
+    def batch_totals(self) -> tuple[float, float]:
+        return self.totals or policy_batch_totals(self.old.host_mask(slice(None)))
+
+    def rows(self, sl: slice) -> PolicyStep:
+        """A data-parallel rank's share: the rows ``sl``, with the whole batch's totals."""
+        return PolicyStep(self.batch.slice(sl), self.advantages[sl], self.old.rows(sl), self.loss_cfg,
+                          self.temperature, self.batch_totals())  # fmt: skip
 
 
 def ess_metric(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Supervised warm-up of the tiny model on the synthetic task, so RL starts from non-trivial accuracy."""
+"""Supervised warm-up of the tiny model on the synthetic task, so RL starts from non-trivial accuracy; the answer
+batch every supervised warm-up trains on (this one and ``fp8rl.supervised``'s of a pretrained checkpoint)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fp8rl.evaluation import evaluate
 from fp8rl.models.tiny import make_tiny_model
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
 from fp8rl.tasks import ArithmeticTask, Example
+from fp8rl.tasks.prompts import PromptFormat
 from fp8rl.tracking.datasets import builtin_dataset
 from fp8rl.train.batches import SequenceBatch
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
@@ -94,7 +96,8 @@ def _train(
     recent: list[float] = []
     step = 0
     for step in range(1, opts.steps + 1):
-        metrics = trainer.sft_step(_answer_batch(tok, rng.sample(train, opts.batch_size)))
+        chunk = rng.sample(train, opts.batch_size)
+        metrics = trainer.sft_step(answer_batch(tok, PromptFormat(), chunk, tok.eos_token_id, tok.pad_token_id))
         recent = [*recent[1 - STOP_WINDOW :], metrics["sft_loss"]]
         stop = opts.stop_loss is not None and len(recent) == STOP_WINDOW and sum(recent) / STOP_WINDOW <= opts.stop_loss
         if step % log_every == 0 or step == opts.steps or stop:
@@ -116,17 +119,28 @@ def _trainer_options(opts: SFTOptions) -> TrainerOptions:
     return TrainerOptions(total_steps=opts.steps, optim=optim)
 
 
-def _answer_batch(tok: Any, chunk: list[Example]) -> SequenceBatch:
-    """Prompts and their answers + EOS, the answers padded and masked."""
-    prompts = [tok(e.prompt).input_ids for e in chunk]
-    answers = [[*tok(e.answer).input_ids, tok.eos_token_id] for e in chunk]
+def answer_ids(tokenizer: Any, fmt: PromptFormat, example: Example, eos_id: int) -> list[int]:
+    """The target tokens of ``example``: its answer, then ``eos_id``.  Under a chat template the answer is the
+    assistant turn's text; after raw prompt text it follows a space, as in running text, unless the prompt ends in
+    whitespace or ``=`` (``3+4=`` is continued with ``7``)."""
+    text = example.answer
+    if not fmt.uses_template(tokenizer):
+        prompt = fmt.text(example)
+        text = text if not prompt or prompt[-1].isspace() or prompt.endswith("=") else " " + text
+    return [*tokenizer(text, add_special_tokens=False).input_ids, eos_id]
+
+
+def answer_batch(tokenizer: Any, fmt: PromptFormat, examples: list[Example], eos_id: int, pad_id: int) -> SequenceBatch:
+    """Prompts (as the RL loop renders them) and their answers + eos, the answers right-padded and masked."""
+    prompts = fmt.encode_all(tokenizer, examples)
+    answers = [answer_ids(tokenizer, fmt, e, eos_id) for e in examples]
     width = max(len(a) for a in answers)
-    resp = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(chunk), width))
+    resp = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width))
     for i, a in enumerate(answers):
         resp[i, : len(a)] = torch.tensor(a)
         mask[i, : len(a)] = 1
-    return build_batch(prompts, resp, mask, tok.pad_token_id)
+    return build_batch(prompts, resp, mask, pad_id)
 
 
 def _log_inputs(sink: MlflowSink, opts: SFTOptions, train: list[Example], heldout: list[Example]) -> None:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
 
-from fp8rl.config import Correction, GRPOConfig, OptimConfig
+from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.quant import QuantSpec
@@ -42,7 +42,7 @@ from fp8rl.train.fsdp import FSDPUnits
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.model_inputs import causal_padding_mask, no_mask_sdpa, prepares_masks, to_device, unpadded
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
-from fp8rl.train.policy_terms import RecomputedOld, TrainForwardOld
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld, TrainForwardOld
 from fp8rl.train.step_memory import StepMemory
 from fp8rl.train.step_profile import StepProfile, profiled_step
 from fp8rl.train.token_logprobs import token_logprobs
@@ -296,49 +296,19 @@ class TorchTrainer(TrainerWeights):
 
     # ---- updates -------------------------------------------------------------------------------------
     @profiled_step  # under the profiler when asked (profile_next_policy_step)
-    def policy_step(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        is_weights: torch.Tensor | None,
-        loss_mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        temperature: float,
-        totals: tuple[float, float] | None = None,
-    ) -> dict[str, float]:
+    def policy_step(self, step: PolicyStep) -> dict[str, float]:
         """One optimizer step of the PPO-clip/GRPO loss over the whole batch, in micro-batches.
 
-        ``advantages [N]``, ``old_logprobs``/``is_weights``/``loss_mask [N, T]``.  The per-micro-batch
-        losses are weighted so the result equals the loss aggregated over the full batch.  A
-        data-parallel rank passes the global ``totals`` (valid tokens, valid sequences) of the
-        batch all ranks share, so its weighted loss and metrics are its exact part of the global
-        ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
-        """
-        totals = totals or policy_batch_totals(loss_mask)
-        return self._policy_update(batch, advantages, RecomputedOld(old_logprobs, is_weights, loss_mask), loss_cfg,
-                                   temperature, totals)  # fmt: skip
-
-    @profiled_step
-    def policy_step_from_train_forward(
-        self,
-        batch: SequenceBatch,
-        advantages: torch.Tensor,
-        rollout_logprobs: torch.Tensor,
-        mask: torch.Tensor,
-        loss_cfg: GRPOConfig,
-        correction: Correction,
-        temperature: float,
-        totals: tuple[float, float] | None = None,
-    ) -> dict[str, float]:
-        """``policy_step`` with the old logprobs taken from this step's own forward (no ``compute_logprobs`` before
-        it): exact because the step consumes the whole batch (``fp8rl.train.policy_terms``).  ``rollout_logprobs``
-        and ``mask`` ``[N, T]``: the engine's logprobs and the response mask; ``totals``: the mask's
-        (``policy_batch_totals``; a data-parallel rank passes the global ones).  The metrics add ``mismatch/...`` and
-        ``correction/...`` (this rank's share; ``correction/is_weight_sq_mean`` for ``ess_metric``)."""
-        totals = totals or policy_batch_totals(mask)
-        terms = TrainForwardOld(rollout_logprobs, mask, correction)
-        return self._policy_update(batch, advantages, terms, loss_cfg, temperature, totals)
+        The per-micro-batch losses are weighted so the result equals the loss aggregated over the full batch.  A
+        data-parallel rank's ``step.totals`` are those of the batch all ranks share, so its weighted loss and metrics
+        are its exact part of the global ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
+        With ``step.old`` a ``TrainForwardOld`` the old logprobs are this step's own forward's (no
+        ``compute_logprobs`` before it): exact because the step consumes the whole batch
+        (``fp8rl.train.policy_terms``); the metrics then add ``mismatch/...`` and ``correction/...`` (this rank's
+        share; ``correction/is_weight_sq_mean`` for ``ess_metric``)."""
+        source = replace(step.old)  # what the update gathers starts empty, whatever ran before
+        return self._policy_update(step.batch, step.advantages, source, step.loss_cfg, step.temperature,
+                                   step.batch_totals())  # fmt: skip
 
     def _policy_update(
         self,

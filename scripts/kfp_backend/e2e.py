@@ -6,8 +6,7 @@ pipelines submitted with ``python -m pipelines.submit --wait`` (``make e2e``).
 
 Needs the cluster of ``make cluster-up`` (a real node that has the component image and scripts/kfp_backend/images.sh's
 driver, launcher and argoexec images) and the backend build of scripts/kfp_backend/build.sh in the tools cache, with
-the MLMD server's environment (``python3 -m venv $TOOLS/mlmd-venv && $TOOLS/mlmd-venv/bin/pip install
-ml-metadata==1.17.1``).  It starts, as host processes logging under a work directory: MariaDB, SeaweedFS's S3
+the MLMD server's environment (``$TOOLS/mlmd-venv``): ``make e2e`` has prepare.py make them.  It starts, as host processes logging under a work directory: MariaDB, SeaweedFS's S3
 gateway, the MLMD server (mlmd_server.py), KFP's API server (its driver and launcher images set), persistence agent
 and ScheduledWorkflow controller, and Argo's workflow-controller (its executor image set).  Pods reach them through
 tests/cluster/kfp_backend.py's Services in ``kubeflow``.  It installs the chart (release ``rl``, namespace
@@ -484,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(b) for b in [*(KFP_BIN / n for n in ("apiserver", "persistence_agent", "scheduledworkflow",
                "workflow-controller", "weed")), MLMD_PYTHON] if not Path(b).exists()]  # fmt: skip
     if missing:
-        raise SystemExit(f"e2e: missing {', '.join(missing)}: scripts/kfp_backend/README.md says how to build them")
+        raise SystemExit(f"e2e: missing {', '.join(missing)}: `make e2e-prepare KFP_SRC=...` makes them")
     if args.ui and missing_build():
         raise SystemExit(f"e2e: missing {', '.join(missing_build())}: build the UI with scripts/kfp_backend/build_ui.sh "
                          "(KFP_SRC=...), or pass --no-ui")  # fmt: skip

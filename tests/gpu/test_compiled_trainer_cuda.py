@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -42,7 +44,12 @@ def test_compiled_trainer_matches_the_eager_one_on_cuda(
         opts = TrainerOptions(precision=precision, optim=OptimConfig(lr=1e-3, micro_batch_size=4, compile_elementwise=compiled, activation_checkpointing=checkpointing, warmup_steps=0))  # fmt: skip
         trainer = TorchTrainer(tiny_models["small"], opts, device="cuda")
         assert bool(trainer.compiled_modules) == compiled
-        runs.append([trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(3)])
+        runs.append(
+            [
+                trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
+                for _ in range(3)
+            ]
+        )
     for eager, fused in zip(*runs, strict=True):
         assert fused["loss"] == pytest.approx(eager["loss"], rel=2e-2, abs=1e-4)
         assert fused["grad_norm"] == pytest.approx(eager["grad_norm"], rel=5e-2)

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -59,8 +61,8 @@ def test_graphed_trainer_matches_the_eager_one_on_the_same_shapes(tiny_models: d
         if previous is not None:  # the replays read the updated weights, not the captured ones
             assert (lp_g - previous).abs().max() > 20 * TOL["atol"]
         previous = lp_g
-        m_e = eager.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
-        m_g = graphed.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+        m_e = eager.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
+        m_g = graphed.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
         assert m_g["loss"] == pytest.approx(m_e["loss"], rel=2e-3, abs=1e-5)
         assert m_g["grad_norm"] == pytest.approx(m_e["grad_norm"], rel=2e-3)
         assert m_g["tokens_computed"] == m_e["tokens_computed"]
@@ -93,8 +95,8 @@ def test_least_recently_used_shape_is_dropped(tiny_models: dict[str, Path]) -> N
     old_long, mask_long = torch.cat([old] * 3, dim=1), torch.cat([mask] * 3, dim=1)
     eager, graphed = _trainers(tiny_models["small"], "fp8", cuda_graph_shapes=1)
     for b, o, m in [(batch, old, mask), (longer, old_long, mask_long)] * 2:
-        m_e = eager.policy_step(b, adv, o, None, m, GRPOConfig(), 1.0)
-        m_g = graphed.policy_step(b, adv, o, None, m, GRPOConfig(), 1.0)
+        m_e = eager.policy_step(PolicyStep(b, adv, RecomputedOld(o, None, m), GRPOConfig(), 1.0))
+        m_g = graphed.policy_step(PolicyStep(b, adv, RecomputedOld(o, None, m), GRPOConfig(), 1.0))
         assert m_g["loss"] == pytest.approx(m_e["loss"], rel=2e-3, abs=1e-5)
     graphs = graphed.graphs
     assert graphs is not None

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("pydantic")  # the trainer reads fp8rl.config (the bare GPU image has no pydantic)
 
@@ -24,7 +26,9 @@ def test_offloaded_moments_on_cuda_give_the_same_steps_and_free_the_device(tiny_
 
     def run(offload: bool) -> tuple[TorchTrainer, list[dict[str, float]], int]:
         t = TorchTrainer(tiny_models["small"], TrainerOptions(optim=OptimConfig(lr=1e-3, micro_batch_size=4, offload_optimizer_state=offload, warmup_steps=0)), device="cuda")  # fmt: skip
-        history = [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
+        history = [
+            t.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0)) for _ in range(2)
+        ]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return t, history, torch.cuda.memory_allocated()

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -81,7 +83,9 @@ def test_sharded_trainer_on_cuda_matches_the_replicated_one(
     def replicated(checkpointing: bool = bench, compiled: bool = bench) -> tuple[TorchTrainer, list[dict[str, float]]]:
         opts = TrainerOptions(precision=precision, backend=backend, spec=QuantSpec(granularity=granularity), optim=OptimConfig(lr=1e-3, micro_batch_size=4, activation_checkpointing=checkpointing, compile_elementwise=compiled, warmup_steps=0))  # fmt: skip
         t = trainer_class(model, opts, device="cuda")
-        return t, [t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(2)]
+        return t, [
+            t.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0)) for _ in range(2)
+        ]
 
     if bench:  # a checkpointed layer's recompute runs as its forward ran (for TE: under the same FP8 autocast)
         plain, recomputed = replicated(False, False)[1], replicated(True, False)[1]

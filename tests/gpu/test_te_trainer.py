@@ -24,6 +24,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 if not te.is_fp8_block_scaling_available():
     pytest.skip("needs FP8 block scaling (compute capability 9.0+, CUDA 12.9+)", allow_module_level=True)
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld  # noqa: E402
 from fp8rl.train.te_recipes import te_recipe_for  # noqa: E402
 from fp8rl.train.te_trainer import (  # noqa: E402
     TETrainer,
@@ -75,9 +76,9 @@ def test_policy_step_moves_every_weight_with_a_finite_loss(tiny_models: dict[str
     if recipe == "delayed":
         # DelayedScaling quantizes with the amax history of earlier steps; the first step's scale of 1
         # flushes the small gradients of some weights to zero (seen on the H100), so it is warmed up once
-        t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+        t.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
     before = {k: v.clone() for k, v in t.hf_state_dict().items()}
-    m = t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+    m = t.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
     assert torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all()
     after = t.hf_state_dict()
     moved = [n for n in before if not torch.equal(before[n], after[n])]
@@ -126,7 +127,15 @@ def test_checkpoint_saves_and_loads_back(tiny_models: dict[str, Path], tmp_path:
 
     t = TETrainer(tiny_models["tiny"], _opts("fp8", "delayed"), device="cuda")
     batch, mask = _batch()
-    t.policy_step(batch, torch.ones(len(PROMPTS)), t.compute_logprobs(batch, 1.0), None, mask, GRPOConfig(), 1.0)
+    t.policy_step(
+        PolicyStep(
+            batch,
+            torch.ones(len(PROMPTS)),
+            RecomputedOld(t.compute_logprobs(batch, 1.0), None, mask),
+            GRPOConfig(),
+            1.0,
+        )
+    )
     t.save_checkpoint(tmp_path / "ckpt", load_tokenizer(tiny_models["tiny"]))
     back = load_causal_lm(tmp_path / "ckpt", dtype=torch.bfloat16)
     assert not any(k.endswith("_extra_state") for k in back.state_dict())

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -46,9 +48,13 @@ def test_syncs_per_step_do_not_grow_with_micro_batches(tiny_models: dict[str, Pa
             TrainerOptions(precision=precision, optim=OptimConfig(micro_batch_size=micro, lr=2e-5, warmup_steps=0)),
             "cuda",
         )
-        trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)  # warm-up: lazy inits may sync
+        trainer.policy_step(
+            PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0)
+        )  # warm-up: lazy inits may sync
         trainer.compute_logprobs(batch, 1.0)
-        step = record_syncs(lambda t=trainer: t.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0))
+        step = record_syncs(
+            lambda t=trainer: t.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
+        )
         logprobs = record_syncs(lambda t=trainer: t.compute_logprobs(batch, 1.0))
         counts[micro] = (step, logprobs)
     print({m: {"step": Counter(s), "logprobs": Counter(lp)} for m, (s, lp) in counts.items()})

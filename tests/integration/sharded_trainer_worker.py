@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantSpec
-from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch, policy_batch_totals
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
 ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20
 
@@ -132,15 +133,16 @@ def run_case(args: argparse.Namespace, device: str, gathers: list[int], scatters
         trainer.load_state_dict(torch.load(args.resume, weights_only=False))
     batch, adv, old, mask = fixed_batch(args.loss_on_every_rank)
     rows = rank_rows(rank, world)
-    totals = policy_batch_totals(mask)
     # FP8 KV-cache scales before any forward (the FSDP state is not initialised yet) and after the steps
     kv_before = trainer.kv_scales(batch, 0.999, 1.1)[0]
     history = []
     syncs: list[list[str]] = []  # this rank's, per policy step, then the logprob pass (--count-syncs)
 
+    # this rank's rows, with the whole batch's totals (TrainerGroup.policy_step's split)
+    rank_step = PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0).rows(rows)
+
     def step() -> dict[str, float]:
-        return trainer.policy_step(batch.slice(rows), adv[rows], old[rows], None, mask[rows], GRPOConfig(), 1.0,
-                                   totals=totals)  # fmt: skip
+        return trainer.policy_step(rank_step)
 
     for _ in range(args.steps):
         before, scattered = gathers[0], scatters[0]

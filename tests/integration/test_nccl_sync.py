@@ -1,6 +1,6 @@
 """The broadcast weight sync on real process groups: gloo on CPU, 2 and 3 processes, many buckets.
 
-The same code runs over NCCL on GPUs (experiments/gpu_sync_bench.py); here every rank is a
+The same code runs over NCCL on GPUs (`ray.sync: collective`, docs/benchmarks.md); here every rank is a
 spawned process and the receivers' bytes are compared with a payload requantized
 independently, in the test process and in each receiver.
 """

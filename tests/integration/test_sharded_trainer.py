@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from fp8rl.config import GRPOConfig, OptimConfig
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 HERE = Path(__file__).parent
@@ -39,7 +40,10 @@ def _replicated(
     if state is not None:
         trainer.load_state_dict(state)
     batch, adv, old, mask = fixed_batch(loss_on_every_rank)
-    history = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(steps)]
+    history = [
+        trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
+        for _ in range(steps)
+    ]
     return trainer, history
 
 

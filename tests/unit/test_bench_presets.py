@@ -31,19 +31,62 @@ def _configs(argv: list[str]) -> tuple[dict, list]:
     return {**sizes, "shape": args.shape}, [step_config(base, r, bench, "work") for r in recipes]
 
 
-def test_the_h200_preset_is_the_measured_command() -> None:
+# The layouts of the 8B tables' runs before presets, as their config files held them (the files are gone: the
+# presets hold the settings); docs/benchmarks.md gives those runs' commands as a preset and the flags that differ.
+_TWO_GPU_FSDP = """
+rollout: {engine: vllm, gpu_memory_utilization: 0.45, enforce_eager: false, max_model_len: 2048}
+ray: {trainer_workers: 2, rollout_workers: 2, trainer_sharding: fsdp, layout: colocated, sync: ipc,
+      object_store_mb: 2048, actor_timeout_s: 1800}
+"""
+_MEASURED_H200 = _TWO_GPU_FSDP + "optim: {activation_checkpointing: true, compile_elementwise: true}\n"
+_MEASURED_H100 = _TWO_GPU_FSDP + "optim: {activation_checkpointing: true, offload_optimizer_state: true}\n"
+_H200_SETTINGS = ["--set", "rollout.kv_calibration_tokens=16384", "--set", "ray.sleep_after_sync=false"]
+
+
+def _measured(tmp_path: Path, layout: str, argv: list[str]) -> tuple[dict, list]:
+    config = tmp_path / "measured.yaml"
+    config.write_text(layout)
+    return _configs(["--shape", "llama-8b", "--config", str(config), *argv])
+
+
+def test_the_h200_preset_is_the_measured_command(tmp_path: Path) -> None:
     """The 8B table's command before presets: a config file, eight flags and three --set."""
-    measured = [
-        "--shape", "llama-8b", "--config", str(REPO / "docs/configs/bench-vllm-ray-fsdp-8b-h200.yaml"),
+    sizes_m, cfgs_m = _measured(tmp_path, _MEASURED_H200, [
         "--recipes", "bf16,fp8-e2e-row-kv", "--prompts", "64", "--samples", "8", "--max-tokens", "1024",
-        "--steps", "2", "--warmup", "1", "--micro-batch-tokens", "16384",
+        "--steps", "2", "--warmup", "1", "--micro-batch-tokens", "16384", *_H200_SETTINGS,
         "--set", "rollout.fp8_scaling=channel", "--set", "rollout.prefix_caching=false",
         "--set", "rollout.kv_calibration_tokens=4096",
-    ]  # fmt: skip
-    sizes_m, cfgs_m = _configs(measured)
+    ])  # fmt: skip
     sizes_p, cfgs_p = _configs(["--preset", "llama-8b-h200x2"])
     assert sizes_p["shape"] == sizes_m["shape"] == "llama-8b"
     assert [c.model_dump() for c in cfgs_p] == [c.model_dump() for c in cfgs_m]
+
+
+def test_the_earlier_8b_runs_are_their_preset_with_the_flags_docs_give(tmp_path: Path) -> None:
+    """docs/benchmarks.md's "8B step by recipe (2x H200)" and "8B on two H100s" runs, as the preset and flags."""
+    h200_run = ["--recipes", "bf16,fp8-e2e-row,fp8-e2e-row-kv,fp8-e2e", "--set", "rollout.fp8_scaling=channel"]
+    _, cfgs_m = _measured(tmp_path, _MEASURED_H200, [
+        *h200_run, "--prompts", "64", "--samples", "8", "--max-tokens", "1024", "--steps", "2", "--warmup", "1",
+        "--micro-batch-tokens", "16384", *_H200_SETTINGS,
+    ])  # fmt: skip
+    h200_preset = "--set rollout.prefix_caching=true --set rollout.kv_calibration_tokens=16384"
+    _, cfgs_p = _configs(["--preset", "llama-8b-h200x2", *h200_run, *h200_preset.split()])
+    assert [c.model_dump() for c in cfgs_p] == [c.model_dump() for c in cfgs_m]
+
+    h100_run = ["--recipes", "bf16,fp8-e2e,fp8-e2e-kv", "--prompts", "32", "--micro-batch-tokens", "4096"]
+    _, cfgs_m = _measured(tmp_path, _MEASURED_H100, [
+        *h100_run, "--samples", "8", "--max-tokens", "1024", "--steps", "2", "--warmup", "1",
+    ])  # fmt: skip
+    h100_preset = (
+        "--set optim.compile_elementwise=false --set rollout.fp8_scaling=recipe --set rollout.prefix_caching=true"
+        " --set rollout.kv_calibration_tokens=null"
+    )
+    _, cfgs_p = _configs(["--preset", "llama-8b-h100x2", *h100_run, *h100_preset.split()])
+    assert [c.model_dump() for c in cfgs_p] == [c.model_dump() for c in cfgs_m]
+    docs = (REPO / "docs" / "benchmarks.md").read_text()
+    for preset, run, flags in (("llama-8b-h200x2", h200_run, h200_preset), ("llama-8b-h100x2", h100_run, h100_preset)):
+        command = f"--preset {preset} {' '.join(run)} {flags}"
+        assert command in " ".join(docs.split()), f"docs/benchmarks.md lacks `fp8rl bench step {command}`"
 
 
 def test_flags_config_and_set_override_the_preset(tmp_path: Path) -> None:
@@ -117,3 +160,13 @@ def test_the_benchmark_model_and_recipes_components_resolve_the_preset() -> None
 
     assert benchmark_recipes.python_func(preset="llama-1b-1gpu", recipes=[]) == list(PRESETS["llama-1b-1gpu"].recipes)
     assert benchmark_model.python_func(preset="llama-1b-1gpu", model_source="") == "shape:llama-1b"
+
+
+def test_set_and_the_ray_flags_leave_the_preset_as_it_was() -> None:
+    before = repr(PRESETS["llama-8b-h200x2"])
+    _configs(
+        ["--preset", "llama-8b-h200x2", "--set", "rollout.prefix_caching=true", "--set", "ray.object_store_mb=4096"]
+    )
+    assert repr(PRESETS["llama-8b-h200x2"]) == before
+    _, cfgs = _configs(["--preset", "llama-8b-h200x2"])
+    assert cfgs[0].rollout.prefix_caching is False and cfgs[0].ray is not None and cfgs[0].ray.object_store_mb == 2048

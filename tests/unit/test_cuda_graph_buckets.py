@@ -16,6 +16,7 @@ import torch
 from fp8rl.build import trainer_options
 from fp8rl.config import GRPOConfig, OptimConfig, RunConfig, load_recipe
 from fp8rl.train.graphs import LayerGraphs
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 
@@ -90,8 +91,8 @@ def test_bucketed_micro_batches_give_the_unpadded_logprobs_and_loss(tiny_models:
     assert not got[mask == 0].any()
 
     adv = torch.randn(len(mask), generator=torch.Generator().manual_seed(2))
-    m_plain = plain.policy_step(batch, adv, ref, None, mask, GRPOConfig(), 1.0)
-    m_pad = padded.policy_step(batch, adv, ref, None, mask, GRPOConfig(), 1.0)
+    m_plain = plain.policy_step(PolicyStep(batch, adv, RecomputedOld(ref, None, mask), GRPOConfig(), 1.0))
+    m_pad = padded.policy_step(PolicyStep(batch, adv, RecomputedOld(ref, None, mask), GRPOConfig(), 1.0))
     assert m_pad["loss"] == pytest.approx(m_plain["loss"], rel=2e-2, abs=2e-3)
     assert m_pad["grad_norm"] == pytest.approx(m_plain["grad_norm"], rel=5e-2)
     assert m_pad["tokens_valid"] == m_plain["tokens_valid"]

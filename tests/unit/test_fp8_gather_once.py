@@ -23,6 +23,8 @@ from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from sharded_trainer_worker import fixed_batch  # the two-rank tests' batch
 
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+
 
 @pytest.fixture
 def one_rank() -> Iterator[None]:
@@ -49,7 +51,7 @@ def test_gather_once_applies_to_the_fp8_layers_only(tiny_models: dict[str, Path]
     # after a forward: gathered FP8 weights released (storage empty) and their FP8 copies cached -- only with once
     assert all((m.weight.untyped_storage().size() == 0) is once for m in fp8)
     assert all((m._reference_weight is not None) is once for m in fp8)
-    m = trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+    m = trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
     assert m["grad_norm"] > 0
     # the optimizer step dropped the copies and resharded: the weights read afterwards are whole
     assert all(m._reference_weight is None for m in fp8)
@@ -79,7 +81,7 @@ def test_only_the_last_micro_batch_backward_waits_for_the_reductions(
 
     trainer.model.register_forward_pre_hook(record)
     batch, adv, old, mask = fixed_batch()
-    trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0)
+    trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0))
     trainer.sft_step(batch)
     per_step = [(False, not reduce_once), (False, not reduce_once), (True, True)]
     assert seen == per_step * 2

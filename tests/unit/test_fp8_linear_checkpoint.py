@@ -20,6 +20,7 @@ from fp8rl.quant import QuantSpec
 from fp8rl.quant.block_linear import padded_rows
 from fp8rl.train import fp8_linear
 from fp8rl.train.fp8_linear import FP8TrainLinear, _placeholders, checkpoint_contexts
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 
 
 def test_the_flag_is_set_in_the_first_forward_only_and_restored() -> None:
@@ -70,7 +71,7 @@ def test_the_trainer_checkpoints_with_the_contexts_and_flags_only_the_first_forw
         hook = linears[0].register_forward_pre_hook(
             lambda *_, seen=seen: seen.append(fp8_linear._checkpoint_state.discarded)
         )
-        results.append(trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0))
+        results.append(trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0)))
         hook.remove()
         # one micro-batch: without checkpointing one forward; with it, the first forward (flagged) and the recompute
         assert seen == ([True, False] if checkpointing else [False])

@@ -13,6 +13,7 @@ import torch
 
 from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.rollout import SamplingParams, TorchRolloutEngine
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
 
@@ -68,8 +69,10 @@ def test_policy_step_reports_the_padding_it_computed(tiny_models: dict[str, Path
     tokens = TorchTrainer(
         tiny_models["tiny"], TrainerOptions(optim=OptimConfig(micro_batch_tokens=120, lr=2e-5, warmup_steps=0))
     )
-    m_rows = rows.policy_step(batch, adv, old, None, batch.response_mask, GRPOConfig(), 1.0)
-    m_tokens = tokens.policy_step(batch, adv, old, None, batch.response_mask, GRPOConfig(), 1.0)
+    m_rows = rows.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, batch.response_mask), GRPOConfig(), 1.0))
+    m_tokens = tokens.policy_step(
+        PolicyStep(batch, adv, RecomputedOld(old, None, batch.response_mask), GRPOConfig(), 1.0)
+    )
     valid = float(batch.attention_mask.sum())
     assert m_rows["tokens_valid"] == m_tokens["tokens_valid"] == valid
     # one micro-batch of all rows computes (longest prompt + longest response) per row; cut by tokens, less
@@ -104,7 +107,9 @@ def test_two_thousand_token_responses_through_engine_and_trainer(long_context_mo
     batch = build_batch(r.prompt_ids, r.response_ids, r.response_mask, engine.pad_token_id)
     old = trainer.compute_logprobs(batch, 1.0)
     assert old.shape == (2, 2048) and torch.isfinite(old).all()
-    m = trainer.policy_step(batch, torch.tensor([1.0, -1.0]), old, None, r.response_mask, GRPOConfig(), 1.0)
+    m = trainer.policy_step(
+        PolicyStep(batch, torch.tensor([1.0, -1.0]), RecomputedOld(old, None, r.response_mask), GRPOConfig(), 1.0)
+    )
     assert m["grad_norm"] > 0 and m["tokens_computed"] == (3 + 2048) + (5 + 2048)  # a row per micro-batch
     if precision == "bf16":  # the engine's own logprobs and the trainer's over 2,048 positions
         assert (old - r.logprobs).abs().mean() < 2e-2

@@ -23,7 +23,7 @@ import torch
 
 from fp8rl.config import Correction, GRPOConfig, MISCorrection, NoCorrection, OptimConfig, TISCorrection
 from fp8rl.rl import mismatch_correction, mismatch_metrics
-from fp8rl.train.policy_terms import CORRECTION, MISMATCH, ess_metric
+from fp8rl.train.policy_terms import CORRECTION, MISMATCH, PolicyStep, RecomputedOld, TrainForwardOld, ess_metric
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
@@ -67,14 +67,14 @@ def _recomputed(
     old = trainer.compute_logprobs(batch, 1.0)
     mm = mismatch_metrics(rollout_lp, old, mask)
     w, loss_mask, corr = mismatch_correction(old, rollout_lp, mask, correction)
-    m = trainer.policy_step(batch, adv, old, w, loss_mask, grpo, 1.0)
+    m = trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, w, loss_mask), grpo, 1.0))
     return {**m, **{MISMATCH + k: v for k, v in mm.items()}, **{CORRECTION + k: v for k, v in corr.items()}}
 
 
 def _from_train_forward(
     trainer: TorchTrainer, batch, adv, rollout_lp, mask, grpo: GRPOConfig, correction: Correction
 ) -> dict[str, float]:
-    m = trainer.policy_step_from_train_forward(batch, adv, rollout_lp, mask, grpo, correction, 1.0)
+    m = trainer.policy_step(PolicyStep(batch, adv, TrainForwardOld(rollout_lp, mask, correction), grpo, 1.0))
     ess = ess_metric(m)  # takes the weights' second moment out of m
     return {**m, **ess}
 

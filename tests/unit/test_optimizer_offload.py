@@ -14,6 +14,7 @@ import torch
 from fp8rl.build import trainer_options
 from fp8rl.config import ConfigError, GRPOConfig, OptimConfig, load_recipe, parse_run_config
 from fp8rl.train.optim import StateOffload
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 
@@ -29,7 +30,9 @@ def _batch() -> tuple:
 def _steps(trainer: TorchTrainer, n: int, timings: bool = False) -> list[dict[str, float]]:
     """``n`` policy steps' metrics (without the seconds the offload took, which differ run to run)."""
     batch, adv, old, mask = _batch()
-    out = [trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0) for _ in range(n)]
+    out = [
+        trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0)) for _ in range(n)
+    ]
     return out if timings else [{k: v for k, v in m.items() if k != "optimizer_offload_s"} for m in out]
 
 

@@ -13,6 +13,7 @@ from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantiz
 from fp8rl.rollout import FP8InferenceLinear, SamplingParams, TorchRolloutEngine, filter_logits
 from fp8rl.sync import InProcessWeightSync, SyncVerificationError, verify_engine_weights
 from fp8rl.train.fp8_linear import FP8TrainLinear
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 76, 9, 84], [5, 5, 76, 5, 5, 84]]
@@ -131,7 +132,7 @@ def test_sync_is_bit_exact_and_versioned(tiny_models: dict[str, Path], precision
     old = trainer.compute_logprobs(batch, 1.0)
     adv = torch.linspace(-1, 1, 12)
     before = {k: v.clone() for k, v in trainer.hf_state_dict().items()}
-    m = trainer.policy_step(batch, adv, old, None, r.response_mask, GRPOConfig(), 1.0)
+    m = trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, r.response_mask), GRPOConfig(), 1.0))
     after = trainer.hf_state_dict()
     changed = [k for k in after if not torch.equal(after[k], before[k])]
     assert m["grad_norm"] > 0 and len(changed) == len(after)  # every parameter moved

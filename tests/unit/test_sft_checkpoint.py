@@ -11,9 +11,10 @@ import pytest
 from fp8rl.cli import main
 from fp8rl.config import load_recipe, parse_run_config
 from fp8rl.models.loading import load_tokenizer
-from fp8rl.supervised import SFT_RECORD, SFTSettings, answer_batch, answer_ids, sft_checkpoint
+from fp8rl.supervised import SFT_RECORD, SFTSettings, sft_checkpoint
 from fp8rl.tasks import Example
 from fp8rl.tasks.prompts import PromptFormat
+from fp8rl.train.sft import answer_batch, answer_ids
 
 
 class _Template:

@@ -13,6 +13,7 @@ import torch
 
 from fp8rl.cluster.groups import combine_rank_metrics
 from fp8rl.config import GRPOConfig, OptimConfig
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.step_profile import CALLS_PREFIX, METRIC_PREFIX, WALL_KEY, category
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
@@ -55,7 +56,7 @@ def test_an_armed_policy_step_reports_its_kernel_time_and_is_the_same_step(tiny_
         for i in range(3):
             if profiled and i == 1:
                 trainer.profile_next_policy_step()
-            steps.append(trainer.policy_step(batch, adv, old, None, mask, GRPOConfig(), 1.0))
+            steps.append(trainer.policy_step(PolicyStep(batch, adv, RecomputedOld(old, None, mask), GRPOConfig(), 1.0)))
         runs.append(steps)
     plain, profiled_run = runs
     first, armed, after = profiled_run

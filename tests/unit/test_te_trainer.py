@@ -29,6 +29,7 @@ from fp8rl.config import ConfigError, GRPOConfig, OptimConfig, load_recipe, pars
 from fp8rl.errors import UserError
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
+from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.te_recipes import (
     BLOCK_FP32_SCALES_ENV,
     CURRENT_POW2_SCALES_ENV,
@@ -310,7 +311,9 @@ def test_fp8_forwards_pad_to_te_alignment_without_changing_logprobs(
     torch.testing.assert_close(lp, ref.compute_logprobs(batch, 1.0), rtol=0, atol=1e-5)
     # the update runs through the same padded path, and every FP8 layer's weight moves
     before = {k: v.clone() for k, v in te.hf_state_dict().items()}
-    m = te.policy_step(batch, torch.tensor([1.0, -1.0, 0.5]), lp, None, mask, GRPOConfig(), 1.0)
+    m = te.policy_step(
+        PolicyStep(batch, torch.tensor([1.0, -1.0, 0.5]), RecomputedOld(lp, None, mask), GRPOConfig(), 1.0)
+    )
     assert torch.isfinite(torch.tensor(m["loss"]))
     after = te.hf_state_dict()
     assert all(not torch.equal(before[n + ".weight"], after[n + ".weight"]) for n in te.fp8_modules)

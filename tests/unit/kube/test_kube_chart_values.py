@@ -11,6 +11,8 @@ import pytest
 import yaml
 from kube_chart import CHART, CI_VALUES, NAMESPACE, REPO, containers, pod_specs, stage_chart
 
+from fp8rl.config import BUILTIN_RECIPES
+
 DEFAULTS_CM = "rel-fp8rl-rayjob-defaults"
 MLFLOW_URL = f"http://rel-fp8rl-mlflow.{NAMESPACE}.svc.cluster.local:5000"
 GPU = "nvidia.com/gpu"
@@ -455,10 +457,7 @@ def test_rayjob_defaults_contract(render) -> None:
     rendered = render(ray__enabled=False)  # the default: each RayJob brings its own cluster
     cm = rendered.one("ConfigMap", "-rayjob-defaults")
     assert cm["metadata"]["name"] == DEFAULTS_CM
-    assert set(cm["data"]) == {
-        "mlflowTrackingUri", "rayjob.yaml", "recipe-bf16.yaml", "recipe-fp8-rollout.yaml", "recipe-fp8-e2e.yaml",
-        "recipe-fp8-e2e-kv.yaml", "recipe-fp8-e2e-row.yaml", "recipe-fp8-e2e-row-kv.yaml",
-    }  # fmt: skip
+    assert set(cm["data"]) == {"mlflowTrackingUri", "rayjob.yaml", *(f"recipe-{r}.yaml" for r in BUILTIN_RECIPES)}
     d = rayjob_defaults(rendered)
     # the pipeline steps' $MLFLOW_TRACKING_URI (pipelines/cluster.py) is the RayJob's tracking URI
     assert cm["data"]["mlflowTrackingUri"] == d["mlflowTrackingUri"]
@@ -529,19 +528,19 @@ def test_rayjob_defaults_without_a_standing_cluster(render) -> None:
     assert d["pvcName"] == "shared-models" and "rayTokenSecret" not in d
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-rollout", "fp8-e2e", "fp8-e2e-kv", "fp8-e2e-row", "fp8-e2e-row-kv"])
+@pytest.mark.parametrize("recipe", BUILTIN_RECIPES)
 def test_recipe_copies_are_byte_identical(render, recipe: str) -> None:
     source = (REPO / "fp8rl" / "recipes" / f"{recipe}.yaml").read_bytes()
-    assert (CHART / "files" / "recipes" / f"{recipe}.yaml").read_bytes() == source, (
-        f"charts/fp8rl/files/recipes/{recipe}.yaml drifted from fp8rl/recipes/{recipe}.yaml: copy it again"
+    copy = CHART / "files" / "recipes" / f"{recipe}.yaml"
+    assert copy.is_file() and copy.read_bytes() == source, (
+        f"charts/fp8rl/files/recipes/{recipe}.yaml is not a copy of fp8rl/recipes/{recipe}.yaml: make chart-recipes"
     )
     assert render().one("ConfigMap", "-rayjob-defaults")["data"][f"recipe-{recipe}.yaml"].encode() == source
 
 
-def test_every_packaged_recipe_is_in_the_chart() -> None:
-    assert {p.name for p in (REPO / "fp8rl" / "recipes").glob("*.yaml")} == {
-        p.name for p in (CHART / "files" / "recipes").glob("*.yaml")
-    }
+def test_the_chart_holds_no_recipe_but_the_built_in_ones() -> None:
+    # a copy left behind by a removed recipe would still be rendered (the ConfigMap globs files/recipes/)
+    assert {p.stem for p in (CHART / "files" / "recipes").glob("*.yaml")} == set(BUILTIN_RECIPES), "make chart-recipes"
 
 
 # --------------------------------------------------------------------------------------- schema, tests, notes
