@@ -13,7 +13,7 @@ from fp8rl.errors import UserError
 # what makes the linears of a model with partial 128x128 tiles FP8 (block scaling refuses partial tiles in vLLM)
 FIX_HINT = (
     "per-channel scaling quantizes any width: recipe.quant.granularity 'row' (fp8-e2e) or rollout.fp8_scaling "
-    "'channel' (the engine); or keep fewer layers in BF16 (recipe.quant.bf16_first_layers / bf16_last_layers)"
+    "'channel' (the engine); or keep fewer layers in BF16 (recipe.quant.bf16_first_layers / bf16_last_layers, optim.fp8_min_gemm_gflop)"
 )
 
 

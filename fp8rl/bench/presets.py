@@ -31,7 +31,12 @@ _TWO_GPU_COLOCATED: dict[str, Any] = {
 # activations are recomputed in the backward; the decoder's RMSNorms, SiLU gate and rotary embedding are compiled.
 _ONE_GPU_COLOCATED: dict[str, Any] = {
     "rollout": {"engine": "vllm", "enforce_eager": False, "max_model_len": 2048},
-    "optim": {"activation_checkpointing": True, "compile_elementwise": True, "offload_optimizer_state": True},
+    # FP8 only for the linears whose GEMM pays for it (docs/benchmarks.md, "Where FP8 training pays"): at 8B the
+    # K and V projections train in BF16, at 3B the attention's four
+    "optim": {
+        "activation_checkpointing": True, "compile_elementwise": True, "offload_optimizer_state": True,
+        "fp8_min_gemm_gflop": 500.0,
+    },
     "ray": {
         "trainer_workers": 1, "rollout_workers": 1, "trainer_sharding": "fsdp", "layout": "colocated", "sync": "ipc",
         "object_store_mb": 2048, "actor_timeout_s": 1800, "sleep_after_sync": False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fp8rl.config.base import Strict
 
@@ -98,3 +98,20 @@ class OptimConfig(Strict):
     cuda_graphs: bool = False
     cuda_graph_width: int = Field(128, ge=16)
     cuda_graph_shapes: int = Field(2, ge=1)
+    # FP8 training only where it pays: a decoder linear whose forward GEMM over one micro-batch (2 x
+    # micro_batch_tokens x in_features x out_features FLOP) is under this many GFLOP trains in BF16. There the FP8
+    # linear's quantization kernels and launches cost more than its GEMMs save: measured eager forward + backward on
+    # H100/H200, 1.04-1.37x BF16 from ~520 GFLOP up, 0.70-0.77x at 130-275 GFLOP (docs/benchmarks.md, "Where FP8
+    # training pays"). A speed setting of the torch and TE trainers: the rollout engine serves the recipe's FP8 as
+    # before, and the layers it leaves in BF16 count as BF16 in the run's FP8 linear counts. 0: every decoder linear
+    # the recipe puts in FP8 trains in FP8. Needs micro_batch_tokens (the GEMMs' rows)
+    fp8_min_gemm_gflop: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _min_gemm_needs_token_micro_batches(self) -> OptimConfig:
+        if self.fp8_min_gemm_gflop > 0 and self.micro_batch_tokens is None:
+            raise ValueError(
+                "optim.fp8_min_gemm_gflop compares each linear's GEMM over a micro-batch of optim.micro_batch_tokens "
+                "tokens: set optim.micro_batch_tokens"
+            )
+        return self

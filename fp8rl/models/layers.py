@@ -42,6 +42,24 @@ def fp8_module_names(model: nn.Module, bf16_first: int = 0, bf16_last: int = 0) 
     return names
 
 
+def gemm_gflop(linear: nn.Linear, tokens: int) -> float:
+    """The forward GEMM of ``linear`` over ``tokens`` rows, in GFLOP: 2 x tokens x in_features x out_features."""
+    return 2 * tokens * linear.in_features * linear.out_features / 1e9
+
+
+def drop_small_gemms(model: nn.Module, names: list[str], tokens: int, min_gflop: float) -> list[str]:
+    """``names`` less the linears whose forward GEMM over ``tokens`` rows is under ``min_gflop`` GFLOP (those train
+    in BF16: ``OptimConfig.fp8_min_gemm_gflop``); all of them where ``min_gflop`` is 0."""
+    if min_gflop <= 0:
+        return names
+    kept = []
+    for name in names:
+        linear = model.get_submodule(name)
+        if isinstance(linear, nn.Linear) and gemm_gflop(linear, tokens) >= min_gflop:
+            kept.append(name)
+    return kept
+
+
 def swap_modules(model: nn.Module, names: list[str], make: Callable[[str, nn.Module], nn.Module]) -> None:
     """Replace each named submodule by ``make(name, old)`` in place."""
     for name in names:

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 from fp8rl.models.layers import fp8_module_names, swap_modules
 from fp8rl.quant import E4M3, QuantizedTensor
 from fp8rl.train.te_recipes import TE_BLOCK, TERecipe, TERecipeError, require_te, te_recipe_for
-from fp8rl.train.trainer import TorchTrainer, TrainerOptions
+from fp8rl.train.trainer import TorchTrainer, TrainerOptions, fp8_linear_names
 
 TOKEN_ALIGN = 16  # pad FP8 forwards to a multiple of this many positions per sequence
 QPARAM_ATTRS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
@@ -140,8 +140,7 @@ class TETrainer(TorchTrainer):
         """Swap decoder linears for ``te.Linear``: for ``fp8`` those outside the recipe's BF16 layers (returned:
         they run in FP8), for ``bf16`` all of them (te-BF16; returns none)."""
         fp8 = self.opts.precision == "fp8"
-        first, last = (self.opts.bf16_first_layers, self.opts.bf16_last_layers) if fp8 else (0, 0)
-        names = fp8_module_names(self.model, first, last)
+        names = fp8_linear_names(self.model, self.opts) if fp8 else fp8_module_names(self.model, 0, 0)
         if fp8:
             for name in names:
                 lin = self.model.get_submodule(name)

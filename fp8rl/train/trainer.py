@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from fp8rl.config import GRPOConfig, OptimConfig
-from fp8rl.models.layers import fp8_module_names, swap_modules
+from fp8rl.models.layers import drop_small_gemms, fp8_module_names, swap_modules
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.quant import QuantSpec
 from fp8rl.rl import PolicyLossInput, policy_loss_stats, stats_row
@@ -66,6 +66,14 @@ class TrainerOptions:
     total_steps: int = 100
     sharding: str = "replicate"  # replicate | fsdp (see the module docstring)
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+def fp8_linear_names(model: torch.nn.Module, opts: TrainerOptions) -> list[str]:
+    """The decoder linears an FP8 trainer runs in FP8: the recipe's (its BF16 first / last layers left out), less
+    those whose GEMM over a micro-batch is too small to pay for FP8 (``optim.fp8_min_gemm_gflop``)."""
+    names = fp8_module_names(model, opts.bf16_first_layers, opts.bf16_last_layers)
+    tokens = opts.optim.micro_batch_tokens or 0
+    return drop_small_gemms(model, names, tokens, opts.optim.fp8_min_gemm_gflop)
 
 
 def _check_options(opts: TrainerOptions) -> None:
@@ -203,7 +211,7 @@ class TorchTrainer(TrainerWeights):
         """
         if self.opts.precision != "fp8":
             return []
-        names = fp8_module_names(self.model, self.opts.bf16_first_layers, self.opts.bf16_last_layers)
+        names = fp8_linear_names(self.model, self.opts)
         spec = self.opts.spec
         swap_modules(self.model, names, lambda _n, old: FP8TrainLinear.from_linear(old, spec))  # type: ignore[arg-type]
         for m in self.model.modules():
