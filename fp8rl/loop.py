@@ -319,9 +319,8 @@ def run_rl(
     many steps and at the end, metrics reach ``sink`` only once their step is checkpointed,
     and a run that finds a checkpoint there resumes after its step (``fp8rl.run_state``).
     With ``output_dir``, the trained policy is saved there at the end as an HF checkpoint
-    (bf16, the trainer's weights; atomically, replacing what was there).  A step whose gradient norm is not
-    finite skipped its update; ``train/nonfinite_steps`` counts them, and ``cfg.optim.max_nonfinite_steps`` of
-    them in a row raise ``NonFiniteGradientError`` (the sink's ``with`` block then ends the run FAILED).
+    (bf16, the trainer's weights; atomically, replacing what was there).  ``train/nonfinite_steps`` counts the
+    steps whose gradient norm was not finite (no update); ``optim.max_nonfinite_steps`` in a row raise.
     """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
