@@ -416,23 +416,26 @@ def _start_or_resume(
     restore_python_rng(rng, state.python_rng)
     torch.set_rng_state(state.torch_rng)
     parts.push_weights(state.step)
-    _relog_unflushed(out.sink, state.initial, state.history)
+    _relog_unflushed(out, state.initial, state.history)
     log(f"[{name}] resumed from the checkpoint of step {state.step} in {ckpt}")
     return RLResult(name, state.initial, state.final, state.history), state.step + 1
 
 
-def _relog_unflushed(sink: MetricsSink, initial: dict[str, float], history: list[dict[str, float]]) -> None:
-    """Log the checkpointed steps the sink does not hold (a kill between checkpoint and flush).
+def _relog_unflushed(out: MetricsBuffer, initial: dict[str, float], history: list[dict[str, float]]) -> None:
+    """Log the checkpointed steps the sink does not hold (a kill between checkpoint and flush), and mark the later
+    steps it holds (an unreadable newest checkpoint, so an older one was loaded) as not to be logged again.
 
     Each step's metrics go to the sink in one call (one MLflow batch), so a step is there
     whole or not at all; its ``time/step_s`` says which.
     """
+    sink = out.sink
     if not any(step == 0 for step, _ in sink.history("eval/accuracy")):
         sink.log_metrics(initial, step=0)
     held = {step for step, _ in sink.history("time/step_s")}
     for step, metrics in enumerate(history, start=1):
         if step not in held:
             sink.log_metrics(metrics, step=step)
+    out.held = {step for step in held if step > len(history)}
 
 
 def _step_line(name: str, step: int, steps: int, m: dict[str, float]) -> str:
