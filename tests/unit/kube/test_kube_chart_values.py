@@ -469,14 +469,16 @@ def test_rayjob_defaults_contract(render) -> None:
     assert set(d) == {
         "image", "imagePullPolicy", "serviceAccountName", "head", "workers", "runtimeEnv",
         "shutdownAfterJobFinishes", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
-        "mlflowTrackingUri", "rayTokenSecret", "pvcName", "rayVersion",
+        "mlflowTrackingUri", "rayTokenSecret", "pvcName", "rayVersion", "pod",
     }  # fmt: skip
     ray_pin = re.search(r"^ray==(\S+)$", (REPO / "constraints.txt").read_text(), re.M)
     assert ray_pin and d["rayVersion"] == ray_pin.group(1)  # KubeRay refuses token auth without rayVersion
     assert d["image"] == "fp8rl-runtime:0.1.0" and d["imagePullPolicy"] == "IfNotPresent"
     assert d["serviceAccountName"] == "rel-fp8rl-ray"
     assert d["head"] == {
-        "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "16Gi"}}
+        "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "16Gi"}},
+        "tolerations": [],
+        "nodeSelector": {},
     }
     workers = d["workers"]
     assert set(workers) == {"replicas", "gpusPerWorker", "resources", "tolerations", "nodeSelector"}
