@@ -407,7 +407,8 @@ def _start_or_resume(
     the newest checkpoint in ``ckpt`` restored into the trainer, the RNGs and the engine."""
     name = cfg.recipe.name
     state = load_latest(ckpt) if ckpt is not None else None
-    if state is None:
+    if state is None:  # a run an earlier attempt logged into without a checkpoint: its steps are not logged twice
+        out.held = {step for step, _ in out.sink.history("time/step_s")} | _logged_step_zero(out.sink)
         initial = evaluate_heldout(cfg, parts, heldout)
         out.log(initial, step=0)
         log(f"[{name}] step 0 held-out accuracy {_eval_line(initial)}")
@@ -429,13 +430,17 @@ def _relog_unflushed(out: MetricsBuffer, initial: dict[str, float], history: lis
     whole or not at all; its ``time/step_s`` says which.
     """
     sink = out.sink
-    if not any(step == 0 for step, _ in sink.history("eval/accuracy")):
+    if not _logged_step_zero(sink):
         sink.log_metrics(initial, step=0)
     held = {step for step, _ in sink.history("time/step_s")}
     for step, metrics in enumerate(history, start=1):
         if step not in held:
             sink.log_metrics(metrics, step=step)
     out.held = {step for step in held if step > len(history)}
+
+
+def _logged_step_zero(sink: MetricsSink) -> set[int]:
+    return {0} if any(step == 0 for step, _ in sink.history("eval/accuracy")) else set()
 
 
 def _step_line(name: str, step: int, steps: int, m: dict[str, float]) -> str:

@@ -56,6 +56,8 @@ CLUSTER_SELECTOR_KEY = "ray.io/cluster"  # KubeRay utils.RayJobClusterSelectorKe
 # Labels we put on every pod we template, so submit.py can find them (and only them).
 RAYJOB_LABEL = "fp8rl/rayjob"
 ROLE_LABEL = "fp8rl/role"
+# the KFP run a RayJob belongs to (fp8rl.kube.rl_step): how a retried step knows its earlier attempt's RayJob
+KFP_RUN_LABEL = "fp8rl/kfp-run-id"
 # KubeRay caps RayJob names at 47 characters (MaxRayJobNameLength = 53 - 6) and wants DNS-1035.
 MAX_NAME_LENGTH = 47
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

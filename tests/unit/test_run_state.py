@@ -206,3 +206,23 @@ def test_a_resume_from_an_older_checkpoint_logs_no_step_twice(tmp_path: Path, ti
     assert any("resumed from the checkpoint of step 2" in line for line in lines), lines
     assert [step for step, _ in sink.history("time/step_s")] == [1, 2, 3, 4]
     assert [step for step, _ in sink.history("eval/accuracy")] == [0, 3, 4]  # each run evaluates its last step
+
+
+def test_a_rerun_without_a_checkpoint_logs_no_step_twice(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    """An earlier attempt logged steps 1-2 into the run and left no checkpoint (checkpoint_every 0): the rerun
+    starts again from step 0 and logs only the steps the run lacks."""
+    from fp8rl.config import RunConfig, load_recipe
+    from fp8rl.loop import run_rl
+    from fp8rl.tracking import MemorySink
+
+    def config(steps: int) -> RunConfig:
+        return RunConfig.model_validate(
+            {"recipe": load_recipe("bf16"), "steps": steps, "eval_every": 100, "eval_examples": 4, "eval_samples": 0,
+             "device": "cpu", "grpo": {"prompts_per_step": 4, "group_size": 2}, "sampling": {"max_tokens": 8}}
+        )  # fmt: skip
+
+    sink, model = MemorySink(), tiny_models["tiny"]
+    run_rl(config(2), model, sink, log=lambda _s: None, device="cpu")
+    run_rl(config(3), model, sink, log=lambda _s: None, device="cpu")
+    assert [step for step, _ in sink.history("time/step_s")] == [1, 2, 3]
+    assert [step for step, _ in sink.history("eval/accuracy")] == [0, 2, 3]
