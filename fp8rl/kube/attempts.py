@@ -55,9 +55,17 @@ def reclaim(
     """After a ``409`` on creating ``doc``: adopt the earlier attempt's RayJob of that name (True), or replace it
     by ``doc`` (False) (module docstring); ``RayJobFailed`` when it is not one."""
     name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
-    existing = api.custom.get_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, name, _request_timeout=request_timeout_s
-    )
+    try:
+        existing = api.custom.get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _request_timeout=request_timeout_s
+        )
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        existing = None  # the garbage collector took it since the 409 (its dead pod was deleted)
+    if existing is None:
+        _create(api, doc, request_timeout_s)
+        return False
     if not same_attempt(existing, doc):
         raise RayJobFailed(
             name, f"a RayJob named {name} already exists in namespace {namespace} and is not an earlier attempt of "
@@ -79,10 +87,15 @@ def reclaim(
         GROUP, VERSION, namespace, PLURAL, name, propagation_policy="Foreground", _request_timeout=request_timeout_s
     )
     _wait_gone(api, name, namespace, request_timeout_s, clock, sleep)
+    _create(api, doc, request_timeout_s)
+    return False
+
+
+def _create(api: Any, doc: Mapping[str, Any], request_timeout_s: float) -> None:
+    namespace = doc["metadata"].get("namespace", "default")
     api.custom.create_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, dict(doc), field_validation="Strict", _request_timeout=request_timeout_s
     )
-    return False
 
 
 def _wait_gone(

@@ -196,3 +196,10 @@ def test_a_retried_step_resumes_from_its_checkpoint_into_the_same_run(
     assert sorted(m.step for m in client.get_metric_history(run_id, "eval/accuracy")) == [0, 2, 4]
     assert client.get_run(run_id).info.status == "FINISHED"
     assert (tmp_path / "trained" / "model.safetensors").is_file()
+
+
+def test_a_first_attempt_collected_since_the_409_is_simply_created_again() -> None:
+    retry = _attempt("step-pod-2")
+    store = RayJobStore()  # the garbage collector deleted it between the create's 409 and the read
+    assert _reclaim(store, retry, []) is False
+    assert store.calls == ["get", "create"] and list(store.objects) == [retry["metadata"]["name"]]
