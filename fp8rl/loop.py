@@ -17,6 +17,7 @@ The Ray driver runs the same steps across actors; the parts of both are built in
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -32,6 +33,7 @@ from fp8rl.build import build_parts, prompt_format, reward_for, task_examples
 from fp8rl.config import (
     RunConfig,
 )
+from fp8rl.errors import UserError
 from fp8rl.evaluation import decode_responses, evaluate
 from fp8rl.rl import grpo_advantages, mismatch_correction, mismatch_metrics
 from fp8rl.rollout.base import RolloutGenerator, SamplingParams
@@ -295,7 +297,8 @@ def run_rl(
     many steps and at the end, metrics reach ``sink`` only once their step is checkpointed,
     and a run that finds a checkpoint there resumes after its step (``fp8rl.run_state``).
     With ``output_dir``, the trained policy is saved there at the end as an HF checkpoint
-    (bf16, the trainer's weights; atomically, replacing what was there).
+    (bf16, the trainer's weights; atomically, replacing what was there).  ``train/nonfinite_steps`` counts the
+    steps whose gradient norm was not finite (no update); ``optim.max_nonfinite_steps`` in a row raise.
     """
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -315,18 +318,51 @@ def run_rl(
         if step % cfg.eval_every == 0 or step == cfg.steps:
             result.final = evaluate_heldout(cfg, parts, heldout)
             metrics.update(result.final)
+        metrics["train/nonfinite_steps"] = float(_nonfinite_steps(result.history, metrics))
         out.log(metrics, step=step)
         result.history.append(metrics)
         log(_step_line(name, step, cfg.steps, metrics))
+        _stop_after_nonfinite_steps(result.history, step, cfg.optim.max_nonfinite_steps)
         if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-            state = LoopState(step, parts.trainer.state_dict(), rng.getstate(), torch.get_rng_state(), result.initial, result.final, result.history)  # fmt: skip
-            save_loop_state(ckpt, state, cfg.checkpoint_keep)
-            out.flush()
+            _checkpoint(cfg, parts, ckpt, step, rng, result, out)
     out.flush()
     if output_dir is not None:
         parts.save_policy(output_dir)
         log(f"[{name}] trained policy saved to {output_dir}")
     return result
+
+
+def _checkpoint(
+    cfg: RunConfig, parts: Parts, ckpt: Path, step: int, rng: random.Random, result: RLResult, out: MetricsBuffer
+) -> None:
+    """Save the loop's state after ``step`` in ``ckpt``, then log the metrics it covers."""
+    state = LoopState(step, parts.trainer.state_dict(), rng.getstate(), torch.get_rng_state(), result.initial, result.final, result.history)  # fmt: skip
+    save_loop_state(ckpt, state, cfg.checkpoint_keep)
+    out.flush()
+
+
+class NonFiniteGradientError(UserError):
+    """The gradient norm was NaN or infinite for ``optim.max_nonfinite_steps`` steps in a row."""
+
+
+def _nonfinite(metrics: dict[str, float]) -> bool:
+    return not math.isfinite(metrics.get("train/grad_norm", 0.0))
+
+
+def _nonfinite_steps(history: list[dict[str, float]], metrics: dict[str, float]) -> int:
+    """How many steps so far, this one included, had a non-finite gradient norm (their updates were skipped)."""
+    return sum(map(_nonfinite, history)) + _nonfinite(metrics)
+
+
+def _stop_after_nonfinite_steps(history: list[dict[str, float]], step: int, limit: int) -> None:
+    """Raise once the last ``limit`` steps all had a non-finite gradient norm: the policy no longer learns."""
+    tail = history[-limit:]
+    if len(tail) == limit and all(map(_nonfinite, tail)):
+        raise NonFiniteGradientError(
+            f"step {step}: the gradient norm was non-finite ({tail[-1]['train/grad_norm']}) in {limit} consecutive "
+            f"steps (optim.max_nonfinite_steps: {limit}), each skipping its update; the run stops. Lower optim.lr, "
+            "or try a recipe with finer FP8 scaling; raise optim.max_nonfinite_steps to tolerate longer runs of them"
+        )
 
 
 def _log_fp8_linears(parts: Parts, sink: MetricsSink, name: str, log: Callable[[str], None]) -> None:
@@ -349,7 +385,8 @@ def _start_or_resume(
     the newest checkpoint in ``ckpt`` restored into the trainer, the RNGs and the engine."""
     name = cfg.recipe.name
     state = load_latest(ckpt) if ckpt is not None else None
-    if state is None:
+    if state is None:  # a run an earlier attempt logged into without a checkpoint: its steps are not logged twice
+        out.held = {step for step, _ in out.sink.history("time/step_s")} | _logged_step_zero(out.sink)
         initial = evaluate_heldout(cfg, parts, heldout)
         out.log(initial, step=0)
         log(f"[{name}] step 0 held-out accuracy {_eval_line(initial)}")
@@ -358,23 +395,30 @@ def _start_or_resume(
     restore_python_rng(rng, state.python_rng)
     torch.set_rng_state(state.torch_rng)
     parts.push_weights(state.step)
-    _relog_unflushed(out.sink, state.initial, state.history)
+    _relog_unflushed(out, state.initial, state.history)
     log(f"[{name}] resumed from the checkpoint of step {state.step} in {ckpt}")
     return RLResult(name, state.initial, state.final, state.history), state.step + 1
 
 
-def _relog_unflushed(sink: MetricsSink, initial: dict[str, float], history: list[dict[str, float]]) -> None:
-    """Log the checkpointed steps the sink does not hold (a kill between checkpoint and flush).
+def _relog_unflushed(out: MetricsBuffer, initial: dict[str, float], history: list[dict[str, float]]) -> None:
+    """Log the checkpointed steps the sink does not hold (a kill between checkpoint and flush), and mark the later
+    steps it holds (an unreadable newest checkpoint, so an older one was loaded) as not to be logged again.
 
     Each step's metrics go to the sink in one call (one MLflow batch), so a step is there
     whole or not at all; its ``time/step_s`` says which.
     """
-    if not any(step == 0 for step, _ in sink.history("eval/accuracy")):
+    sink = out.sink
+    if not _logged_step_zero(sink):
         sink.log_metrics(initial, step=0)
     held = {step for step, _ in sink.history("time/step_s")}
     for step, metrics in enumerate(history, start=1):
         if step not in held:
             sink.log_metrics(metrics, step=step)
+    out.held = {step for step in held if step > len(history)}
+
+
+def _logged_step_zero(sink: MetricsSink) -> set[int]:
+    return {0} if any(step == 0 for step, _ in sink.history("eval/accuracy")) else set()
 
 
 def _step_line(name: str, step: int, steps: int, m: dict[str, float]) -> str:

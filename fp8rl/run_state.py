@@ -5,7 +5,11 @@ A checkpoint is a directory ``step-NNNNNN/`` under the run's checkpoint director
 loop's RNG states (prompt sampling and torch), the evaluation results and every step's
 metrics so far.  It is written to a temporary directory and renamed, then ``LATEST`` is
 replaced atomically, so a reader sees the previous checkpoint or the new one, never half
-of one.  The ``keep`` newest checkpoints are kept (``checkpoint_keep``, ``KEEP`` by default).
+of one; the file and the directories are fsynced before each rename, so a power loss or a
+node's crash leaves the same.  The ``keep`` newest checkpoints are kept (``checkpoint_keep``,
+``KEEP`` by default), and what a killed write left (its temporary directory) is removed by the
+next write.  A newest checkpoint that cannot be read (a corrupt or truncated file) is reported
+and the one before it loaded: ``keep`` of 2 or more is what makes that possible.
 
 Metrics reach the tracking sink only after the checkpoint that covers their step is
 saved (``MetricsBuffer``): a step that ran after the last checkpoint and was lost with a
@@ -19,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,32 +67,73 @@ def save_loop_state(root: str | os.PathLike[str], state: LoopState, keep: int = 
         raise ValueError(f"keep: at least the newest checkpoint is kept, got {keep}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    _remove_unfinished(root)
     target = _step_dir(root, state.step)
     try:
         with atomic_directory(target, overwrite=True) as tmp:
             torch.save(state.__dict__, Path(tmp) / "state.pt")
+            _fsync(Path(tmp) / "state.pt")
+            _fsync(Path(tmp))
     except (RuntimeError, OSError) as e:  # torch reports a full disk as "[enforce fail ...] unexpected pos N vs M"
-        free_gib = shutil.disk_usage(root).free / 2**30
         raise CheckpointWriteError(
-            f"{target}: writing the checkpoint failed ({str(e).strip()}); {free_gib:.1f} GiB free on its disk: "
-            "free space, or checkpoint less often (checkpoint_every)"
+            f"{target}: writing the checkpoint failed ({str(e).strip()}); {_size(shutil.disk_usage(root).free)} free "
+            f"on its disk ({root}): free space, or checkpoint less often (checkpoint_every)"
         ) from e
+    _fsync(root)  # the rename is on disk before LATEST names the new directory
     atomic_write_text(root / LATEST, target.name + "\n")
+    _fsync(root)
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
 
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file or a directory: its entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _remove_unfinished(root: Path) -> None:
+    """The temporary directories of writes that were killed (``atomic_directory`` names them ``.step-*``): one
+    writer owns a checkpoint directory, so none of them is being written now."""
+    for stale in root.glob(".step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+class CheckpointReadError(UserError):
+    """No checkpoint of a run could be read."""
+
+
 def load_latest(root: str | os.PathLike[str]) -> LoopState | None:
-    """The newest complete checkpoint under ``root``, or None when there is none."""
-    pointer = Path(root) / LATEST
+    """The newest checkpoint under ``root`` that reads back, or None when there is none.  ``LATEST`` names the
+    newest; where it cannot be read, the kept ones before it are tried, newest first, each failure reported."""
+    root = Path(root)
+    pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = Path(root) / pointer.read_text().strip() / "state.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{pointer} names {path.parent.name}, which has no state.pt")
-    data = torch.load(path, map_location="cpu", weights_only=True)
-    return LoopState(**data)
+    latest = pointer.read_text().strip()
+    older = sorted((p.name for p in root.glob("step-*") if p.name < latest), reverse=True)
+    failures = []
+    for name in [latest, *older]:
+        path = root / name / "state.pt"
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            state = LoopState(**data)
+        except Exception as e:  # a corrupt, truncated or missing file: the next older checkpoint may be whole
+            failures.append(f"{path}: {type(e).__name__}: {str(e).strip()[:300]}")
+            print(f"checkpoint {failures[-1]}; trying an older one", file=sys.stderr)
+            continue
+        if failures:
+            print(f"resuming from {root / name}, older than {latest}", file=sys.stderr)
+        return state
+    raise CheckpointReadError(f"{root}: no checkpoint can be read: " + "; ".join(failures))
 
 
 def restore_python_rng(rng: random.Random, state: Any) -> None:
@@ -97,14 +143,20 @@ def restore_python_rng(rng: random.Random, state: Any) -> None:
 
 
 class MetricsBuffer:
-    """Holds step metrics until the checkpoint covering them is saved, then logs them in step order."""
+    """Holds step metrics until the checkpoint covering them is saved, then logs them in step order; drops those
+    of the steps in ``held``."""
 
     def __init__(self, sink: MetricsSink, buffered: bool) -> None:
         self.sink = sink
         self.buffered = buffered
         self.pending: list[tuple[int, Mapping[str, float]]] = []
+        # steps the sink already holds from before a resume (from a checkpoint older than the newest, whose
+        # steps were logged): computed again, not logged twice
+        self.held: set[int] = set()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if step in self.held:
+            return
         if self.buffered:
             self.pending.append((step, metrics))
         else:

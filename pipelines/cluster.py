@@ -36,6 +36,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 MLFLOW_URI_KEY = "mlflowTrackingUri"
 MLFLOW_SECRET_ENV = {"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"}
 HF_SECRET_ENV = {"token": "HF_TOKEN"}
+IMAGE_UID = IMAGE_GID = 1000  # the component and runtime images' user (images/Dockerfile.*)
 
 
 # A step whose pod fails (evicted, its node lost, an image pull that timed out) is retried this many times by
@@ -115,6 +116,9 @@ def on_cluster(
     if refs.retries:
         task.set_retry(refs.retries, backoff_duration=RETRY_BACKOFF, backoff_max_duration=RETRY_BACKOFF_MAX)
     kubernetes.mount_pvc(task, pvc_name=refs.pvc_name, mount_path=DATA_MOUNT)
+    # the images' user (the chart's podSecurityContext): what KFP lets a step set; KFP's compiler adds no privilege
+    # escalation, no capabilities and the RuntimeDefault seccomp profile itself
+    kubernetes.set_security_context(task, run_as_user=IMAGE_UID, run_as_group=IMAGE_GID, run_as_non_root=True)
     if tracked:
         kubernetes.use_config_map_as_env(
             task, refs.rayjob_defaults, {MLFLOW_URI_KEY: "MLFLOW_TRACKING_URI"}, optional=True

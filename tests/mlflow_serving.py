@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,8 +51,11 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def serve_mlflow(server_dir: Path) -> Iterator[str]:
-    """``mlflow server`` with its store, artifacts and log under ``server_dir``; yields its URL, stops it after."""
+def serve_mlflow(
+    server_dir: Path, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """``mlflow server`` with its store, artifacts and log under ``server_dir``; yields its URL, stops it after.
+    ``extra_args`` and ``extra_env`` (e.g. ``--app-name basic-auth`` and its settings) are added as given."""
     assert MLFLOW.is_file(), f"no mlflow executable next to {sys.executable}"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -64,8 +67,9 @@ def serve_mlflow(server_dir: Path) -> Iterator[str]:
     cmd = [
         str(MLFLOW), "server", "--backend-store-uri", f"sqlite:///{server_dir / 'mlflow.db'}", "--serve-artifacts",
         "--artifacts-destination", str(server_dir / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-        "--workers", "1",
+        "--workers", "1", *extra_args,
     ]  # fmt: skip
+    env |= dict(extra_env or {})
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=server_dir, start_new_session=True

@@ -67,6 +67,10 @@ class OptimConfig(Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0.0)
+    # a step whose gradient norm is NaN or infinite skips its update (the fp32 masters stay as they were) and is
+    # counted (train/nonfinite_steps); this many such steps in a row end the run with an error (it would otherwise
+    # go on rolling out an unchanged policy and end FINISHED)
+    max_nonfinite_steps: int = Field(3, ge=1)
     warmup_steps: int = Field(10, ge=0)
     schedule: Literal["constant", "cosine"] = "constant"
     micro_batch_size: int = Field(64, ge=1)

@@ -39,12 +39,15 @@ from typing import Any
 import yaml
 
 from fp8rl.config import ConfigError
-from fp8rl.kube.rayjob_template import GPU_RESOURCE, RayJobTemplate
+from fp8rl.kube.rayjob_template import GPU_RESOURCE, RayJobTemplate, Toleration
 
 API_VERSION = "ray.io/v1"
 KIND = "RayJob"
 DATA_MOUNT = "/data"
 SHM_MOUNT = "/dev/shm"
+# the root filesystem is read-only (the chart's containerSecurityContext): Ray's session files, HOME and caches go
+# to this emptyDir, as in the chart's RayCluster
+TMP_MOUNT = "/tmp"
 HEAD_CONTAINER = "ray-head"
 WORKER_CONTAINER = "ray-worker"
 SUBMITTER_CONTAINER = "ray-job-submitter"
@@ -53,9 +56,8 @@ CLUSTER_SELECTOR_KEY = "ray.io/cluster"  # KubeRay utils.RayJobClusterSelectorKe
 # Labels we put on every pod we template, so submit.py can find them (and only them).
 RAYJOB_LABEL = "fp8rl/rayjob"
 ROLE_LABEL = "fp8rl/role"
-# The rayproject/ray images (and ours, built on them) run as ray:users = 1000:100.
-RUN_AS_USER = 1000
-RUN_AS_GROUP = 100
+# the KFP run a RayJob belongs to (fp8rl.kube.rl_step): how a retried step knows its earlier attempt's RayJob
+KFP_RUN_LABEL = "fp8rl/kfp-run-id"
 # KubeRay caps RayJob names at 47 characters (MaxRayJobNameLength = 53 - 6) and wants DNS-1035.
 MAX_NAME_LENGTH = 47
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -83,19 +85,15 @@ def _entrypoint(entrypoint: str | Sequence[str]) -> str:
     return text
 
 
-def _security_context() -> dict[str, Any]:
-    """Every container: non-root, no privilege escalation, no Linux capabilities (PSS 'restricted')."""
-    return {
-        "allowPrivilegeEscalation": False,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+def _security_context(template: RayJobTemplate) -> dict[str, Any]:
+    """Every container: the chart's containerSecurityContext (PSS 'restricted' and a read-only root filesystem by
+    default, ``rayjob_template.PodSettings``)."""
+    return dict(template.pod.container_security_context)
 
 
-def _pod_security_context() -> dict[str, Any]:
-    # fsGroup makes the PVC writable by the image's non-root user.
-    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_GROUP, "fsGroup": RUN_AS_GROUP}
+def _pod_security_context(template: RayJobTemplate) -> dict[str, Any]:
+    """Every pod: the chart's podSecurityContext (the image's uid/gid; fsGroup makes the PVC writable by it)."""
+    return dict(template.pod.security_context)
 
 
 def _token_env(template: RayJobTemplate) -> list[dict[str, Any]]:
@@ -109,8 +107,9 @@ def _token_env(template: RayJobTemplate) -> list[dict[str, Any]]:
 
 
 def _ray_env(template: RayJobTemplate) -> list[dict[str, Any]]:
-    """Env of the Ray containers; the driver and every actor inherit it from the raylet."""
-    env: list[dict[str, Any]] = []
+    """Env of the Ray containers; the driver and every actor inherit it from the raylet.  The chart's ``ray.env``
+    comes last (a name it sets twice takes its value: Kubernetes keeps the last)."""
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": TMP_MOUNT}]
     if template.mlflow_tracking_uri:
         env.append({"name": "MLFLOW_TRACKING_URI", "value": template.mlflow_tracking_uri})
     if template.mlflow_auth is not None:
@@ -122,17 +121,30 @@ def _ray_env(template: RayJobTemplate) -> list[dict[str, Any]]:
                 "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
             },
         ]
-    return env + _token_env(template)
+    return env + _token_env(template) + [dict(e) for e in template.pod.env]
 
 
 def _volumes(template: RayJobTemplate) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts): a memory-backed /dev/shm (Ray object store, NCCL) and the data PVC at /data."""
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": SHM_MOUNT}]
+    """(volumes, mounts): a memory-backed /dev/shm (Ray object store, NCCL), /tmp and the data PVC at /data."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": SHM_MOUNT}, dict(_TMP_VOLUME_MOUNT)]
     if template.pvc_name:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": template.pvc_name}})
         mounts.append({"name": "data", "mountPath": DATA_MOUNT})
     return volumes, mounts
+
+
+_TMP_VOLUME_MOUNT: dict[str, Any] = {"name": "tmp", "mountPath": TMP_MOUNT}
+
+
+def _pod_metadata(template: RayJobTemplate, labels: Mapping[str, str], name: str, role: str) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"labels": _pod_labels(labels, name, role)}
+    if template.pod.annotations:
+        metadata["annotations"] = dict(template.pod.annotations)
+    return metadata
 
 
 def _pod_labels(labels: Mapping[str, str], name: str, role: str) -> dict[str, str]:
@@ -140,11 +152,13 @@ def _pod_labels(labels: Mapping[str, str], name: str, role: str) -> dict[str, st
 
 
 def _pod_spec(template: RayJobTemplate, container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
-    spec: dict[str, Any] = {"securityContext": _pod_security_context(), "containers": [container]}
+    spec: dict[str, Any] = {"securityContext": _pod_security_context(template), "containers": [container]}
     if volumes:
         spec["volumes"] = volumes
     if template.service_account_name:
         spec["serviceAccountName"] = template.service_account_name
+    if template.pod.image_pull_secrets:
+        spec["imagePullSecrets"] = [dict(s) for s in template.pod.image_pull_secrets]
     return spec
 
 
@@ -155,7 +169,7 @@ def _ray_container(template: RayJobTemplate, name: str, resources: dict[str, Any
         "image": template.image,
         "imagePullPolicy": template.image_pull_policy,
         "resources": resources,
-        "securityContext": _security_context(),
+        "securityContext": _security_context(template),
         "volumeMounts": mounts,
     }
     env = _ray_env(template)
@@ -168,13 +182,16 @@ def _head_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]) 
     container = _ray_container(template, HEAD_CONTAINER, template.head.resources.to_k8s())
     container["ports"] = [dict(p) for p in HEAD_PORTS]
     volumes, _ = _volumes(template)
-    return {
-        "rayStartParams": {},
-        "template": {
-            "metadata": {"labels": _pod_labels(labels, name, "head")},
-            "spec": _pod_spec(template, container, volumes),
-        },
-    }
+    spec = _pod_spec(template, container, volumes)
+    _place(spec, template.head.tolerations, template.head.node_selector)
+    return {"rayStartParams": {}, "template": {"metadata": _pod_metadata(template, labels, name, "head"), "spec": spec}}
+
+
+def _place(spec: dict[str, Any], tolerations: list[Toleration], node_selector: Mapping[str, str]) -> None:
+    if tolerations:
+        spec["tolerations"] = [t.to_k8s() for t in tolerations]
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
 
 
 def _worker_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
@@ -183,10 +200,7 @@ def _worker_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]
     container = _ray_container(template, WORKER_CONTAINER, workers.resources.to_k8s(extra_limits=gpus))
     volumes, _ = _volumes(template)
     spec = _pod_spec(template, container, volumes)
-    if workers.tolerations:
-        spec["tolerations"] = [t.to_k8s() for t in workers.tolerations]
-    if workers.node_selector:
-        spec["nodeSelector"] = dict(workers.node_selector)
+    _place(spec, workers.tolerations, workers.node_selector)
     return {
         "groupName": WORKER_GROUP,
         # A fixed-size group: the RL step places its actors once, so autoscaling has nothing to do.
@@ -194,7 +208,7 @@ def _worker_group(template: RayJobTemplate, name: str, labels: Mapping[str, str]
         "minReplicas": workers.replicas,
         "maxReplicas": workers.replicas,
         "rayStartParams": {},
-        "template": {"metadata": {"labels": _pod_labels(labels, name, "worker")}, "spec": spec},
+        "template": {"metadata": _pod_metadata(template, labels, name, "worker"), "spec": spec},
     }
 
 
@@ -205,14 +219,13 @@ def _submitter_template(template: RayJobTemplate, name: str, labels: Mapping[str
         "image": template.image,
         "imagePullPolicy": template.image_pull_policy,
         "resources": {k: dict(v) for k, v in SUBMITTER_RESOURCES.items()},
-        "securityContext": _security_context(),
+        "securityContext": _security_context(template),
+        "env": [{"name": "HOME", "value": TMP_MOUNT}, *_token_env(template), *(dict(e) for e in template.pod.env)],
+        "volumeMounts": [dict(_TMP_VOLUME_MOUNT)],
     }
-    token_env = _token_env(template)
-    if token_env:
-        container["env"] = token_env
-    spec = _pod_spec(template, container, [])
+    spec = _pod_spec(template, container, [{"name": "tmp", "emptyDir": {}}])
     spec["restartPolicy"] = "Never"  # a Job's pod template must say Never or OnFailure
-    return {"metadata": {"labels": _pod_labels(labels, name, "submitter")}, "spec": spec}
+    return {"metadata": _pod_metadata(template, labels, name, "submitter"), "spec": spec}
 
 
 def _runtime_env_yaml(env_vars: Mapping[str, str]) -> str | None:

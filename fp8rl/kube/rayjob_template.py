@@ -69,10 +69,6 @@ class Resources(_Template):
         return {"requests": requests, "limits": limits}
 
 
-class HeadSpec(_Template):
-    resources: Resources
-
-
 class Toleration(_Template):
     """A Kubernetes toleration (e.g. ``{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}``)."""
 
@@ -84,6 +80,12 @@ class Toleration(_Template):
 
     def to_k8s(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class HeadSpec(_Template):
+    resources: Resources
+    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: dict[str, str] = Field(default_factory=dict)
 
 
 class WorkersSpec(_Template):
@@ -125,10 +127,52 @@ class SecretKeyRef(_Template):
 
 class MlflowAuth(_Template):
     """MLflow basic-auth credentials of the Ray pods (``MLFLOW_TRACKING_USERNAME`` / ``_PASSWORD``): the chart's
-    admin user and the Secret key that holds its password."""
+    client user (not an admin) and the Secret key that holds its password."""
 
     username: str = Field(min_length=1)
     password_secret: SecretKeyRef
+
+
+# The images run as uid/gid 1000 (images/Dockerfile.*); what a pod gets where the chart says nothing.
+IMAGE_UID = IMAGE_GID = 1000
+
+
+def _default_pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_GID, "fsGroup": IMAGE_GID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
+
+
+def _default_container_security_context() -> dict[str, Any]:
+    """Pod Security Standards 'restricted', and a read-only root filesystem (the pods write /tmp, /dev/shm, /data:
+    volumes of their own)."""
+    return {
+        "runAsNonRoot": True, "privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+    }  # fmt: skip
+
+
+class PodSettings(_Template):
+    """What every pod of the RayJob (head, workers, submitter) takes from the chart, as its own pods do: the pod and
+    container securityContext (Kubernetes' own fields, as the chart's ``podSecurityContext`` and
+    ``containerSecurityContext``), extra env of the containers (``ray.env``: Kubernetes EnvVars), annotations and
+    image pull secrets."""
+
+    security_context: dict[str, Any] = Field(default_factory=_default_pod_security_context)
+    container_security_context: dict[str, Any] = Field(default_factory=_default_container_security_context)
+    env: list[dict[str, Any]] = Field(default_factory=list)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    # the chart's images.pullSecrets ([{name: ...}]): the registry the runtime image comes from
+    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+
+    @field_validator("env")
+    @classmethod
+    def _named(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        unnamed = [i for i, e in enumerate(value) if not isinstance(e.get("name"), str) or not e["name"]]
+        if unnamed:
+            raise ValueError(f"entries {unnamed} have no name (Kubernetes EnvVars: {{name, value}} or valueFrom)")
+        return value
 
 
 class RayJobTemplate(_Template):
@@ -139,6 +183,7 @@ class RayJobTemplate(_Template):
     service_account_name: str | None = None
     head: HeadSpec
     workers: WorkersSpec
+    pod: PodSettings = PodSettings()
     runtime_env: RuntimeEnv = RuntimeEnv()
     shutdown_after_job_finishes: bool = True
     ttl_seconds_after_finished: int = Field(300, ge=0)

@@ -37,7 +37,7 @@ import yaml
 from fp8rl.atomic import atomic_directory, atomic_write_text
 from fp8rl.config import RunConfig
 from fp8rl.errors import UserError
-from fp8rl.kube.rayjob import MAX_NAME_LENGTH, build_rayjob, build_rayjob_for_cluster
+from fp8rl.kube.rayjob import KFP_RUN_LABEL, MAX_NAME_LENGTH, build_rayjob, build_rayjob_for_cluster
 from fp8rl.kube.rayjob_template import load_template
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -68,6 +68,13 @@ def rayjob_name(recipe: str, seed: int, kfp_run_id: str) -> str:
     digest = hashlib.sha256(f"{kfp_run_id}/{recipe}/{seed}".encode()).hexdigest()[:8]
     slug = re.sub(r"[^a-z0-9-]+", "-", recipe.lower()).strip("-")[: MAX_NAME_LENGTH - len("fp8rl--") - len(digest)]
     return f"fp8rl-{slug.strip('-') or 'recipe'}-{digest}"
+
+
+def checkpointed(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``checkpoint_every`` set to ``eval_every`` where it is 0: a RayJob step always checkpoints to the
+    shared volume, so a retried step (its pod killed) resumes after the last checkpoint into the same MLflow run
+    instead of training again from step 0 (``fp8rl.kube.attempts``, ``fp8rl.loop``)."""
+    return cfg if cfg.checkpoint_every else cfg.model_copy(update={"checkpoint_every": cfg.eval_every})
 
 
 def stage(cfg: RunConfig, model_dir: str | Path, kfp_run_id: str) -> Path:
@@ -133,13 +140,14 @@ def run_rl_step_as_rayjob(
     if not template.pvc_name:
         raise UserError(f"{template_path}: pvcName is empty, so the Ray pods could not read the staged checkpoint")
     kfp_run_id = tags.get(KFP_RUN_ID_TAG, "")
+    cfg = checkpointed(cfg)
     stage_dir = stage(cfg, model_dir, kfp_run_id)
     name = rayjob_name(cfg.recipe.name, cfg.seed, kfp_run_id)
     entrypoint = train_entrypoint(stage_dir, parent_run_id, cfg.work_dir)
     print(f"[rl-step] RayJob {name}: {shlex.join(entrypoint)}", flush=True)
     labels = {"app.kubernetes.io/part-of": "fp8rl"}
     if re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", kfp_run_id):
-        labels["fp8rl/kfp-run-id"] = kfp_run_id  # kubectl get rayjobs -l fp8rl/kfp-run-id=<id>
+        labels[KFP_RUN_LABEL] = kfp_run_id  # kubectl get rayjobs -l fp8rl/kfp-run-id=<id>; a retry knows its own
     if template.ray_cluster_name:  # the chart's standing RayCluster (ray.enabled)
         doc = build_rayjob_for_cluster(template, name, entrypoint, template.ray_cluster_name, current_namespace(),
                                        labels, owner=owner_pod_reference())  # fmt: skip

@@ -43,12 +43,12 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from fp8rl.kube.attempts import GROUP, PLURAL, VERSION, reclaim
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
 from fp8rl.kube.job_failure import diagnose, image_pull_problems, unschedulable_problems
 from fp8rl.kube.pod_log import PodLogFollower
 from fp8rl.kube.rayjob import CLUSTER_SELECTOR_KEY, RAYJOB_LABEL, ROLE_LABEL
 
-GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
 DEFAULT_TIMEOUT_S = 24 * 3600.0
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 DEFAULT_POLL_S = 5.0
@@ -236,15 +236,18 @@ def _is_transient(e: BaseException) -> bool:
     return isinstance(e, urllib3.exceptions.HTTPError | OSError)
 
 
-def _create(api: KubeApis, doc: Mapping[str, Any], name: str, namespace: str, request_timeout_s: float) -> None:
-    """Strict field validation: the API server refuses an unknown field instead of silently dropping it."""
+def _create(api: KubeApis, doc: Mapping[str, Any], request_timeout_s: float) -> bool:
+    """Strict field validation: the API server refuses an unknown field instead of silently dropping it.  True when
+    the name exists (``409``): the caller asks ``fp8rl.kube.attempts.reclaim`` what it is."""
+    name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
     try:
         api.custom.create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, dict(doc), field_validation="Strict", _request_timeout=request_timeout_s
         )
     except ApiException as e:
+        if e.status == 409:
+            return True
         hints = {
-            409: f"a RayJob named {name} already exists in namespace {namespace}: pick another name or delete it",
             404: f"the {PLURAL}.{GROUP}/{VERSION} resource does not exist: is the KubeRay operator (v1.x) installed?",
             403: f"forbidden: the service account may not create {PLURAL}.{GROUP} in namespace {namespace} (RBAC)",
             422: f"the API server rejected the RayJob: {_api_message(e)}",
@@ -260,6 +263,7 @@ def _create(api: KubeApis, doc: Mapping[str, Any], name: str, namespace: str, re
         raise RayJobFailed(
             name, f"cannot reach the Kubernetes API server ({e}); check with: kubectl get rayjob {name} -n {namespace}"
         ) from e
+    return False
 
 
 def _delete(api: KubeApis, name: str, namespace: str, request_timeout_s: float, log_sink: LogSink) -> None:
@@ -394,12 +398,18 @@ def submit_rayjob(
 
     Raises :class:`RayJobFailed` with the diagnosed cause, or :class:`RayJobTimeout` after ``timeout_s``.
     The RayJob is deleted on every way out (also Ctrl-C) unless ``keep``; one we could not create
-    (e.g. a name clash) is never deleted, since it is not ours.
+    (e.g. a name clash with a RayJob that is not an earlier attempt's, ``fp8rl.kube.attempts``) is never
+    deleted, since it is not ours.
     """
     name, namespace = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
     start = clock()
-    _create(api, doc, name, namespace, request_timeout_s)
-    log_sink(f"[rayjob {name}] created in namespace {namespace}")
+    how = "created"
+    if _create(api, doc, request_timeout_s):  # an earlier attempt's (a retried step): adopted or replaced
+        try:
+            how = "adopted" if reclaim(api, doc, request_timeout_s, log_sink, clock, sleep) else "created again"
+        except ApiException as e:
+            raise _api_error(name, e) from e
+    log_sink(f"[rayjob {name}] {how} in namespace {namespace}")
     watch = _Watch(name, namespace, api, request_timeout_s, log_sink, clock)
     try:
         with terminated_by_sigterm():

@@ -15,21 +15,25 @@
     Calls run on worker threads (``workers``), ``timeout_s`` per call: one that raises, returns a non-number or a non-finite value, or
     takes longer than ``timeout_s`` scores 0.0 and is counted (``reward/errors``,
     ``reward/timeouts``) and the first message of each step is logged; the step goes on.  (A call
-    past its timeout cannot be killed from Python: its thread runs on in the background.)
+    past its timeout cannot be killed from Python: its thread runs on in the background.  The threads
+    are daemon threads, not a ``ThreadPoolExecutor``'s, which the interpreter joins at exit: a call
+    that never returns does not keep the process, and its pod, from ending.)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import queue
 import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,6 +131,45 @@ def load_reward_function(spec: str, base_dir: str | Path | None = None) -> Calla
     return fn
 
 
+class DaemonWorkers:
+    """``workers`` daemon threads running submitted calls, each giving a ``Future``.  Unlike a
+    ``ThreadPoolExecutor`` (whose threads the interpreter joins at exit, so one call that never returns hangs
+    the process's exit), nothing waits for them: ``shutdown`` lets the idle ones end and abandons busy ones."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fut, call = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(call())
+            except BaseException as e:  # handed to the caller through the future, as an executor does
+                fut.set_exception(e)
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._calls.put((fut, call))
+        return fut
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; each idle thread ends, a busy one when (if ever) its call returns."""
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._calls.put(None)
+
+
 @dataclass
 class PythonReward:
     """A user's reward function (module docstring), called with a timeout on worker threads."""
@@ -135,13 +178,13 @@ class PythonReward:
     name: str
     timeout_s: float = 10.0
     workers: int = 4
-    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _pool: DaemonWorkers | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> DaemonWorkers:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="fp8rl-reward")
+                self._pool = DaemonWorkers(self.workers, "fp8rl-reward")
             return self._pool
 
     def _call(self, response: str, example: Example) -> float:
@@ -154,7 +197,7 @@ class PythonReward:
 
     def score(self, responses: Sequence[str], examples: Sequence[Example]) -> RewardBatch:
         pool = self._executor()
-        futures = [pool.submit(self._call, r, e) for r, e in zip(responses, examples, strict=True)]
+        futures = [pool.submit(partial(self._call, r, e)) for r, e in zip(responses, examples, strict=True)]
         # one deadline for the batch: timeout_s per call, the calls spread over the workers
         deadline = time.monotonic() + self.timeout_s * max(1, math.ceil(len(futures) / self.workers))
         batch = RewardBatch([])
@@ -171,7 +214,7 @@ class PythonReward:
                 batch.first_error = batch.first_error or f"{self.name}: {type(e).__name__}: {e}"
         if batch.timeouts:  # calls still running hold their threads: the next batch gets a fresh pool
             with self._lock:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown()
                 self._pool = None
         return batch
 

@@ -220,14 +220,31 @@ def real_cluster(cluster_tools: Path, tmp_path_factory: pytest.TempPathFactory) 
     cp.stop()
 
 
+# Pod Security Standards "restricted", enforced (refused at admission), and warned and audited at the same level
+RESTRICTED = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")}
+
+
 @pytest.fixture
 def real_namespace(real_cluster: RealCluster) -> Iterator[str]:
-    """A fresh namespace on the real cluster (deleted after the test, with its pods)."""
+    """A fresh namespace on the real cluster (deleted after the test, with its pods) that enforces Pod Security
+    Standards ``restricted``, as a shared cluster's would: the API server's PodSecurity admission refuses any pod
+    of the chart, the step or a RayJob that is not."""
+    yield from _real_namespace(real_cluster, RESTRICTED)
+
+
+@pytest.fixture
+def real_namespace_unrestricted(real_cluster: RealCluster) -> Iterator[str]:
+    """A fresh namespace without Pod Security labels: for KFP's own backend parts, which its installation runs in a
+    namespace of their own (they are not fp8rl's pods)."""
+    yield from _real_namespace(real_cluster, {})
+
+
+def _real_namespace(real_cluster: RealCluster, labels: dict[str, str]) -> Iterator[str]:
     from kubernetes import client
 
     core = client.CoreV1Api(real_cluster.api)
     name = f"r-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": name}})
+    core.create_namespace({"metadata": {"name": name, "labels": labels}})
     _wait(lambda: core.read_namespaced_service_account("default", name), 30, f"service account of {name}")
     yield name
     core.delete_namespace(name)

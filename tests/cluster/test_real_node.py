@@ -185,15 +185,23 @@ def _component_pod(name: str, image: str, container: dict[str, Any], executor_in
         "spec": {
             "restartPolicy": "Never",
             "serviceAccountName": PIPELINE_SA,
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
-                "name": "main", "image": image, "imagePullPolicy": "Never",
+                "name": "main", "image": image, "imagePullPolicy": "Never", "securityContext": KFP_CONTAINER_SECURITY,
                 "command": container["command"], "args": args, "env": env, "volumeMounts": mounts,
                 "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "3Gi"}},
             }],
             "volumes": volumes,
         },
     }  # fmt: skip
+
+
+# what KFP's compiler puts on every step's container (its platform defaults: no escalation, no capabilities, the
+# runtime's seccomp profile), so a step pod is admitted where Pod Security Standards "restricted" are enforced
+KFP_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+}  # fmt: skip
 
 
 def _run_pod(cluster: Any, namespace: str, pod: dict[str, Any], timeout_s: float) -> tuple[str, str]:

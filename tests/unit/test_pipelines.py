@@ -231,6 +231,8 @@ def test_kubernetes_platform_spec(irs: dict[str, list[dict[str, Any]]], name: st
         assert mount["mountPath"] == DATA_MOUNT and mount["pvcNameParameter"]["componentInputParameter"].endswith(
             "pvc_name"
         )
+        # the images' user, non-root (the chart's podSecurityContext): what KFP lets a step set
+        assert k["securityContext"] == {"runAsUser": "1000", "runAsGroup": "1000", "runAsNonRoot": True}, step
         gpu = step in GPU_STEPS
         assert ("tolerations" in k) is gpu, step
         assert ("accelerator" in execs[step]["resources"]) is gpu, step

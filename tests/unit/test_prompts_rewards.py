@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -212,3 +214,34 @@ def test_documented_example_config_and_reward_work() -> None:
     reward = PythonReward(fn, "score")
     got = reward.score(["It is 72.", "73"], [Example("q", "72", extra={"weight": 2.0}), Example("q", "72")])
     assert got.rewards == pytest.approx([2.2, 0.0]) and got.errors == 0
+
+
+HANGING_REWARD = """
+import threading
+
+def never_returns(response, answer, example):
+    threading.Event().wait()  # blocks forever, as a reward stuck on a lock or a dead socket does
+"""
+
+SCORE_AND_EXIT = """
+import sys
+from fp8rl.tasks.rewards import PythonReward, load_reward_function
+from fp8rl.tasks.verify import Example
+
+reward = PythonReward(load_reward_function(sys.argv[1]), "never_returns", timeout_s=0.2, workers=2)
+out = reward.score(["5", "6", "7"], [Example("q", "5")] * 3)
+print("timeouts", out.timeouts, flush=True)
+"""
+
+
+def test_a_reward_that_never_returns_does_not_block_the_process_exit(tmp_path: Path) -> None:
+    """The calls past their timeout hold their threads forever; the process still exits when its work is done
+    (a pool joined at exit would hang it: the RL step never finishes, the pod never ends)."""
+    path = tmp_path / "hang.py"
+    path.write_text(HANGING_REWARD)
+    # the bound is the interpreter's start and fp8rl's imports many times over; a hang is killed at it and fails
+    done = subprocess.run(
+        [sys.executable, "-c", SCORE_AND_EXIT, f"{path}:never_returns"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "timeouts 3" in done.stdout

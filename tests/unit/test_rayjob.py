@@ -140,16 +140,17 @@ def test_shm_and_pvc_on_ray_pods(doc: dict[str, Any]) -> None:
         spec = pods(doc)[role]["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+        assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}  # the root filesystem is read-only
         assert volumes["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "fp8rl-data"}}
         mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
-        assert mounts == {"/dev/shm": "dshm", "/data": "data"}
+        assert mounts == {"/dev/shm": "dshm", "/tmp": "tmp", "/data": "data"}
 
 
-def test_no_pvc_means_only_shm() -> None:
+def test_no_pvc_means_only_shm_and_tmp() -> None:
     doc = build_rayjob(parse_template(chart_data(pvcName=None)), "fp8rl-step", "python x.py")
     spec = pods(doc)["worker"]["spec"]
-    assert [v["name"] for v in spec["volumes"]] == ["dshm"]
-    assert [m["mountPath"] for m in spec["containers"][0]["volumeMounts"]] == ["/dev/shm"]
+    assert [v["name"] for v in spec["volumes"]] == ["dshm", "tmp"]
+    assert [m["mountPath"] for m in spec["containers"][0]["volumeMounts"]] == ["/dev/shm", "/tmp"]
 
 
 def test_env_mlflow_and_token_on_ray_containers(doc: dict[str, Any]) -> None:
@@ -157,12 +158,14 @@ def test_env_mlflow_and_token_on_ray_containers(doc: dict[str, Any]) -> None:
     for role in ("head", "worker"):
         env = env_of(pods(doc)[role]["spec"]["containers"][0])
         assert env == {
+            "HOME": "/tmp",
             "MLFLOW_TRACKING_URI": "http://fp8rl-mlflow:5000",
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
         }
     # The submitter talks to the dashboard, so it needs the token but not MLflow.
     assert env_of(pods(doc)["submitter"]["spec"]["containers"][0]) == {
+        "HOME": "/tmp",
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": token,
     }
@@ -173,7 +176,7 @@ def test_auth_off_sets_no_auth_env() -> None:
         parse_template(chart_data(rayTokenSecret=None, mlflowTrackingUri=None)), "fp8rl-step", "python x.py"
     )
     for c in containers(doc):
-        assert "env" not in c, c["name"]
+        assert env_of(c) == {"HOME": "/tmp"}, c["name"]
     assert "authOptions" not in doc["spec"]["rayClusterSpec"]
 
 

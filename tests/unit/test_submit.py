@@ -116,6 +116,7 @@ class FakeCluster:
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     created: list[dict[str, Any]] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    patched: list[dict[str, Any]] = field(default_factory=list)
 
     def apis(self) -> KubeApis:
         return KubeApis(custom=_FakeCustom(self), core=_FakeCore(self))
@@ -152,6 +153,14 @@ class _FakeCustom:
         if n in self.c.get_errors:
             raise self.c.get_errors[n]
         return {**DOC, "status": _at(self.c.statuses, self.c.clock.now)}
+
+    def patch_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str, body: dict[str, Any], **kw: Any
+    ) -> Any:
+        self._check(group, version, namespace, plural)
+        self.c.record("patch", kw)
+        self.c.patched.append(body)
+        return body
 
     def delete_namespaced_custom_object(
         self, group: str, version: str, namespace: str, plural: str, name: str, **kw: Any
@@ -659,3 +668,22 @@ def test_a_step_pod_owns_its_rayjob(monkeypatch: pytest.MonkeyPatch) -> None:
                                "workers": {"replicas": 1, "gpusPerWorker": 1, "resources": res}})  # fmt: skip
     doc = build_rayjob(template, "fp8rl-step", "python x.py", "ml", owner=owner)
     assert doc["metadata"]["ownerReferences"] == [owner] and doc["metadata"]["namespace"] == "ml"
+
+
+def test_a_retried_step_adopts_its_earlier_attempts_running_rayjob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The create answers 409 with a RayJob of the same KFP run and entrypoint that still runs (its step's pod was
+    killed outright): the retry takes it over (re-owned by its pod), follows it to the end and deletes it then."""
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "rl-step-retry", "uid": "u2", "blockOwnerDeletion": False}
+    attempt = {**DOC, "metadata": {**DOC["metadata"], "labels": {"fp8rl/kfp-run-id": "run-1"}, "ownerReferences": [owner]}}  # fmt: skip
+    monkeypatch.setitem(globals(), "DOC", attempt)  # what the fake API holds, and what the retry submits
+    cluster = FakeCluster(
+        statuses=[(0, status("Running", "RUNNING")), (30, status("Complete", "SUCCEEDED"))],
+        pods=[(0, [HEAD, WORKER, make_pod(f"{NAME}-sub", "submitter", "Succeeded")])],
+        create_error=ApiException(status=409, reason="AlreadyExists"),
+    )
+    result, lines = run(cluster)
+    assert result.job_status == "SUCCEEDED"
+    assert cluster.patched == [{"metadata": {"ownerReferences": [owner]}}] and cluster.created == []
+    assert any("adopted (no second driver)" in line for line in lines), lines
+    assert f"[rayjob {NAME}] adopted in namespace {NS}" in lines
+    assert cluster.deleted == [NAME]  # ours now: deleted at the end like one we created

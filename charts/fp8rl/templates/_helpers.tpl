@@ -52,6 +52,11 @@ the RL-step component computes this name from the release name.
 {{- .Values.mlflow.auth.existingSecret | default (printf "%s-auth" (include "fp8rl.mlflowName" .)) }}
 {{- end }}
 
+{{/* The non-admin MLflow user's Secret (keys username, password), the pipeline steps' mlflow_secret. */}}
+{{- define "fp8rl.mlflowClientSecretName" -}}
+{{- include "fp8rl.fullname" . }}-mlflow-client
+{{- end }}
+
 {{- define "fp8rl.mlflowServiceHost" -}}
 {{- printf "%s.%s.svc.%s" (include "fp8rl.mlflowName" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
@@ -164,12 +169,12 @@ defaulting to the chart's appVersion. */}}
 {{- end }}
 {{- if and .Values.mlflow.enabled .Values.mlflow.auth.enabled }}
 - name: MLFLOW_TRACKING_USERNAME
-  value: {{ .Values.mlflow.auth.adminUsername | quote }}
+  value: {{ .Values.mlflow.auth.clientUsername | quote }}
 - name: MLFLOW_TRACKING_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "fp8rl.mlflowAuthSecretName" . }}
-      key: admin-password
+      name: {{ include "fp8rl.mlflowClientSecretName" . }}
+      key: password
 {{- end }}
 {{- with .Values.ray.env }}
 {{ toYaml . }}

@@ -280,11 +280,12 @@ def test_mlflow_basic_auth_on(render) -> None:
     secret = rendered.one("Secret", "-mlflow-auth")
     assert set(secret["data"]) == {"admin-password", "flask-secret-key"}
     assert all(len(base64.b64decode(v)) == 48 for v in secret["data"].values())
-    # the pipeline steps' credentials (pipelines/cluster.py mlflow_secret): the admin's, rendered together
+    # the pipeline steps' credentials (pipelines/cluster.py mlflow_secret): a user of their own, not the admin
     client = rendered.one("Secret", "-mlflow-client")
     assert client["metadata"]["name"] == "rel-fp8rl-mlflow-client"
-    assert base64.b64decode(client["data"]["username"]) == b"admin"
-    assert client["data"]["password"] == secret["data"]["admin-password"]
+    assert base64.b64decode(client["data"]["username"]) == b"fp8rl-pipeline"
+    assert len(base64.b64decode(client["data"]["password"])) == 48
+    assert client["data"]["password"] != secret["data"]["admin-password"]
     ini = rendered.one("ConfigMap", "-mlflow-auth")["data"]["basic_auth.ini"]
     assert "database_uri = sqlite:////mlflow/basic_auth.db" in ini and "admin_password" not in ini
     assert env["MLFLOW_AUTH_CONFIG_PATH"]["value"] == "/etc/mlflow-auth/basic_auth.ini"
@@ -292,7 +293,10 @@ def test_mlflow_basic_auth_on(render) -> None:
     assert "rel-fp8rl-mlflow" in rendered.names("PersistentVolumeClaim")
     # Ray pods get credentials to log runs
     head = ray_container(rendered.one("RayCluster")["spec"]["headGroupSpec"]["template"])
-    assert env_of(head)["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "rel-fp8rl-mlflow-auth"
+    assert env_of(head)["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rel-fp8rl-mlflow-client",
+        "key": "password",
+    }
 
 
 def test_mlflow_basic_auth_off_and_existing_secret(render) -> None:
@@ -464,14 +468,16 @@ def test_rayjob_defaults_contract(render) -> None:
     assert set(d) == {
         "image", "imagePullPolicy", "serviceAccountName", "head", "workers", "runtimeEnv",
         "shutdownAfterJobFinishes", "ttlSecondsAfterFinished", "activeDeadlineSeconds",
-        "mlflowTrackingUri", "rayTokenSecret", "pvcName", "rayVersion",
+        "mlflowTrackingUri", "rayTokenSecret", "pvcName", "rayVersion", "pod",
     }  # fmt: skip
     ray_pin = re.search(r"^ray==(\S+)$", (REPO / "constraints.txt").read_text(), re.M)
     assert ray_pin and d["rayVersion"] == ray_pin.group(1)  # KubeRay refuses token auth without rayVersion
     assert d["image"] == "fp8rl-runtime:0.1.0" and d["imagePullPolicy"] == "IfNotPresent"
     assert d["serviceAccountName"] == "rel-fp8rl-ray"
     assert d["head"] == {
-        "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "16Gi"}}
+        "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "16Gi"}},
+        "tolerations": [],
+        "nodeSelector": {},
     }
     workers = d["workers"]
     assert set(workers) == {"replicas", "gpusPerWorker", "resources", "tolerations", "nodeSelector"}
@@ -736,15 +742,16 @@ def test_every_value_is_documented_once_in_the_readme() -> None:
 
 @pytest.mark.parametrize("values", ["production-values.yaml", "rayjob-only-values.yaml"])
 def test_rayjobs_get_the_mlflow_credentials_when_auth_is_on(render, values: str) -> None:
-    """With MLflow's basic auth on, a RayJob's head and workers log as the chart's admin user (as the standing
-    RayCluster's pods do): the password from the auth Secret, never in the ConfigMap."""
+    """With MLflow's basic auth on, a RayJob's head and workers log as the chart's non-admin client user (as the
+    standing RayCluster's pods do): the password from the client Secret, never in the ConfigMap."""
     from fp8rl.kube.rayjob import build_rayjob
     from fp8rl.kube.rayjob_template import parse_template
 
     rendered = render(next(f for f in CI_VALUES if f.name == values))
     d = rayjob_defaults(rendered)
     auth = d["mlflowAuth"]
-    assert auth["passwordSecret"]["key"] == "admin-password" and auth["username"]
+    assert auth["passwordSecret"] == {"name": "rel-fp8rl-mlflow-client", "key": "password"}
+    assert auth["username"] == "fp8rl-pipeline"
     job = build_rayjob(parse_template(d), "fp8rl-step", "python x.py")
     spec = job["spec"]["rayClusterSpec"]
     for pod in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
