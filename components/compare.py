@@ -32,7 +32,8 @@ def compare_recipes(
 ) -> None:
     """Table of final accuracy, mismatch and throughput per recipe, with plots (``fp8rl.bench.report``), for the
     runs ``run_ids`` (empty: every recipe run under the comparison run); the FP8 conversion report is appended.
-    The report is logged to the comparison run, which then ends FINISHED (FAILED if this step fails)."""
+    The report is logged to the comparison run, which then ends FINISHED (FAILED if this step fails), unless a
+    failed step ended it before: that status stays."""
     import tempfile
     from pathlib import Path
 
@@ -42,7 +43,7 @@ def compare_recipes(
     from fp8rl.tracking import MlflowSink
 
     ref = read_run_ref(mlflow_run)
-    with MlflowSink.attach(ref.run_id, ref.work_dir) as parent:
+    with MlflowSink.attach(ref.run_id, ref.work_dir, keep_ended=True) as parent:
         result = build_comparison_report(
             ref.experiment, ref.run_id, parent.tracking_uri, list(run_ids) or None, title=f"{pipeline_name}: recipes",
             context=[f"KFP pipeline `{pipeline_name}`, run `{kfp_run_id}`."],

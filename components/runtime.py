@@ -122,6 +122,7 @@ def log_to_recipe_run(
     comparison run (named ``<recipe>-<component>``); returns the run id."""
     from fp8rl.tracking import MlflowSink, recipe_tags
 
+    recipe = recipe_name(recipe)
     if run_id:
         sink = MlflowSink.attach(run_id, ref.work_dir)  # the run's owner closed it already: leave it as it is
         sink.log_metrics(metrics, step=step)
@@ -131,6 +132,14 @@ def log_to_recipe_run(
         sink.log_params(recipe_tags(recipe))
         sink.log_metrics(metrics, step=step)
         return sink.run_id
+
+
+def recipe_name(recipe: str) -> str:
+    """The name a recipe's runs are tagged with: a built-in recipe's own, or the ``name`` inside a recipe file
+    (a step is given the file's path); a clear error when it is neither (``fp8rl.config.load_recipe``)."""
+    from fp8rl.config import BUILTIN_RECIPES, load_recipe
+
+    return recipe if recipe in BUILTIN_RECIPES else load_recipe(recipe).name
 
 
 # the MLflow tag on a comparison run that a failed step ended: which step, and its error
@@ -166,6 +175,8 @@ def _end_runs(ref: MlflowRunRef, component: str, recipe: str, seed: int | None, 
     parent = client.get_run(ref.run_id)
     query = f"tags.mlflow.parentRunId = '{ref.run_id}' and attributes.status = 'RUNNING'"
     if recipe:
+        with contextlib.suppress(UserError):  # an unreadable recipe file: its runs carry no other name to look for
+            recipe = recipe_name(recipe)
         query += f" and tags.recipe = '{recipe}'"
     if seed is not None:
         query += f" and tags.seed = '{seed}'"

@@ -132,10 +132,15 @@ class MlflowSink(ClosesOnExit):
         self.run_id: str = run.info.run_id
         self.experiment_id = experiment_id
         self._closed = False
+        self._keep_ended = False
 
     @classmethod
-    def attach(cls, run_id: str, work_dir: str | os.PathLike[str]) -> MlflowSink:
-        """A sink for an existing run (e.g. a parent run started by another process)."""
+    def attach(cls, run_id: str, work_dir: str | os.PathLike[str], keep_ended: bool = False) -> MlflowSink:
+        """A sink for an existing run (e.g. a parent run started by another process).
+
+        ``keep_ended``: closing leaves a run that another process already ended (FAILED by a failed step) as it
+        is, instead of overwriting its status: a run's end state is final.
+        """
         from mlflow import MlflowClient
 
         self = cls.__new__(cls)
@@ -144,6 +149,7 @@ class MlflowSink(ClosesOnExit):
         self.experiment_id = self._client.get_run(run_id).info.experiment_id
         self.run_id = run_id
         self._closed = False
+        self._keep_ended = keep_ended
         return self
 
     @property
@@ -199,7 +205,8 @@ class MlflowSink(ClosesOnExit):
     def close(self, status: RunStatus = "FINISHED") -> None:
         if self._closed:
             return
-        self._client.set_terminated(self.run_id, status)
+        if not (self._keep_ended and self._client.get_run(self.run_id).info.status != "RUNNING"):
+            self._client.set_terminated(self.run_id, status)
         self._closed = True
 
 
