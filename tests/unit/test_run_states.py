@@ -13,8 +13,9 @@ from kfp.dsl import HTML, Artifact, Markdown
 from mlflow import MlflowClient
 
 from components.compare import compare_recipes
-from components.runtime import TAG_FAILED_STEP, log_to_recipe_run, read_run_ref, runs_fail_with_the_step
+from components.runtime import TAG_FAILED_STEP, read_run_ref, recipe_run, runs_fail_with_the_step
 from components.tracking import start_tracking
+from fp8rl.config import TrackingConfig
 from fp8rl.config.recipe import RECIPE_DIR
 from fp8rl.tracking import MlflowSink, recipe_tags
 
@@ -95,7 +96,8 @@ def test_a_step_of_a_custom_recipe_file_tags_its_new_run_with_the_recipes_name(
     """A benchmark without an RL run of its own makes one: tagged ``recipe=my-fp8``, as the RL step's runs are, so
     the comparison's rows and the failure handler find it by the same name."""
     ref = read_run_ref(tracking)
-    run_id = log_to_recipe_run(ref, "", str(_custom_recipe(tmp_path)), {"bench/step_s": 1.0}, {})
-    run = MlflowClient(ref.tracking_uri).get_run(run_id)
+    with recipe_run(ref, "", str(_custom_recipe(tmp_path)), 0, {}, TrackingConfig(system_metrics=False)) as sink:
+        sink.log_metrics({"bench/step_s": 1.0}, step=0)
+    run = MlflowClient(ref.tracking_uri).get_run(sink.run_id)
     assert run.data.tags["recipe"] == run.data.params["recipe"] == "my-fp8"
-    assert run.info.run_name == "my-fp8-step"
+    assert run.info.run_name == "my-fp8-step" and run.data.tags["seed"] == "0" and run.info.status == "FINISHED"
