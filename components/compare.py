@@ -60,5 +60,5 @@ def compare_recipes(
     atomic_write_text(report_html.path, result.html)
     print(result.table)
     if champion is not None:
-        report.metadata["champion"] = champion.uri
-        print(champion.how_to_load())
+        report.metadata.update({"champion": champion.uri, "champion_recipe": champion.recipe})
+        print(champion.how_to_load(ref.tracking_uri))

@@ -2,8 +2,9 @@
 # Installs what `make images` needs to build and run the project's images without a Docker daemon: podman and
 # buildah (rootful, runc), mmdebstrap (the local base images), umoci and skopeo (OCI archives). With --node, also
 # what the local cluster's real node needs (`make node-deps`): containerd, the CNI plugins, iptables and gcc (the
-# pod sandbox's pause binary). With --ui, also Chromium (`make e2e` drives the KFP UI in it). Debian/Ubuntu packages;
-# needs root. Does nothing when they are all present.
+# pod sandbox's pause binary). With --ui, also Chromium (`make e2e` drives the KFP UI in it); with --ui-only, Chromium
+# alone (`make mlflow-ui` drives the MLflow UI in it). Debian/Ubuntu packages; needs root. Does nothing when they are
+# all present.
 set -euo pipefail
 tools=(podman buildah mmdebstrap runc umoci skopeo)
 packages=(podman buildah mmdebstrap runc umoci skopeo fuse-overlayfs uidmap ca-certificates curl)
@@ -15,7 +16,10 @@ for opt in "$@"; do
     --ui)
         tools+=(chromium)
         packages+=(chromium) ;;
-    *) echo "container_tools.sh: unknown option $opt (--node, --ui)" >&2; exit 2 ;;
+    --ui-only)
+        tools=(chromium)
+        packages=(chromium ca-certificates) ;;
+    *) echo "container_tools.sh: unknown option $opt (--node, --ui, --ui-only)" >&2; exit 2 ;;
     esac
 done
 missing=()

@@ -94,14 +94,21 @@ class Champion:
     def uri(self) -> str:
         return f"models:/{self.name}@{CHAMPION_ALIAS}"
 
-    def how_to_load(self) -> str:
-        """The lines a user runs to fetch and serve it."""
+    def how_to_load(self, tracking_uri: str) -> str:
+        """What it is, and the lines a user runs to fetch and serve it."""
         return (
-            f"champion: {self.recipe} (accuracy {self.accuracy:.3f}), registered as {self.name} version {self.version}\n"
-            f"  fetch:  mlflow artifacts download -u {self.uri} -d champion-model\n"
-            f"  python: mlflow.artifacts.download_artifacts('{self.uri}', dst_path='champion-model')\n"
-            f"  serve:  vllm serve champion-model"
+            f"champion: {self.recipe} (accuracy {self.accuracy:.3f}), registered model {self.name} version "
+            f"{self.version}, alias {CHAMPION_ALIAS}\n{load_instructions(self.uri, tracking_uri)}"
         )
+
+
+def load_instructions(uri: str, tracking_uri: str) -> str:
+    """How to fetch the model ``uri`` (``models:/NAME@champion``) from ``tracking_uri`` and serve it with vLLM."""
+    return (
+        f"  download: MLFLOW_TRACKING_URI={tracking_uri} mlflow artifacts download -u {uri} -d champion-model\n"
+        f"  python:   mlflow.artifacts.download_artifacts('{uri}', dst_path='champion-model')\n"
+        f"  serve:    vllm serve champion-model   (a Hugging Face checkpoint directory)"
+    )
 
 
 def register_champion(
