@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from components.tracking import start_tracking
 from fp8rl.tracking.models import CHAMPION_ALIAS, CHAMPION_TAG, COMPARISON_RUN_TAG, MODEL_ID_TAG
 from fp8rl.tracking.system_metrics import CPU_UTILIZATION, MEMORY_USED_MB
 from fp8rl.tracking.vocabulary import COMPARE_KEYS
+from scripts.mlflow_ui_shots import CHROMIUM, latest_comparison, take_shots
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
 
@@ -52,13 +54,6 @@ RUN_CONFIG = {
 
 def art(cls: type, tmp: Path, name: str) -> Any:
     return cls(name=name, uri=str(tmp / name), metadata={})
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    with serve_mlflow(tmp_path / "server") as url:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-        yield url
 
 
 def _recipe_steps(tracking: Artifact, model: Artifact, recipe: str, tmp: Path) -> tuple[str, Path]:
@@ -80,32 +75,44 @@ def _recipe_steps(tracking: Artifact, model: Artifact, recipe: str, tmp: Path) -
     return run_id, Path(trained.path)
 
 
-def test_models_system_metrics_and_compare_keys_on_a_tracking_server(
-    mlflow_server: str, tmp_path: Path, tiny_models: dict[str, Path]
-) -> None:
-    tracking = art(Artifact, tmp_path, "mlflow_run")
-    start_tracking.python_func(
-        experiment="registry", work_dir=str(tmp_path / "work"), pipeline_name="p", kfp_run_id=KFP_RUN,
-        kfp_run_name="n", mlflow_run=tracking,
-    )  # fmt: skip
-    ref = read_run_ref(tracking)
-    model = art(Model, tmp_path, "model")
-    shutil.copytree(tiny_models["tiny"], tmp_path / "model")
-    checkpoints = {}
-    for recipe in RECIPES:
-        run_id, checkpoint = _recipe_steps(tracking, model, recipe, tmp_path)
-        checkpoints[run_id] = checkpoint
-    (tmp_path / "conversion.md").write_text("# FP8 conversion report\n")
-    report = art(Markdown, tmp_path, "report.md")
-    compare_recipes.python_func(
-        mlflow_run=tracking, run_ids=list(checkpoints), conversion_report=art(Markdown, tmp_path, "conversion.md"),
-        pipeline_name="p", kfp_run_id=KFP_RUN, report=report, report_html=art(HTML, tmp_path, "report.html"),
-    )  # fmt: skip
+@dataclass(frozen=True)
+class Compared:
+    url: str  # the tracking server
+    parent_id: str
+    checkpoints: dict[str, Path]  # recipe run id -> its trained checkpoint
+    report: Markdown
+    tmp: Path
 
-    client = MlflowClient(tracking_uri=mlflow_server)
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Compared]:
+    """Two recipes through RL step, evaluation and benchmark, then the comparison, on a real tracking server."""
+    tmp = tmp_path_factory.mktemp("registry")
+    with serve_mlflow(tmp / "server") as url, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", url)
+        tracking = art(Artifact, tmp, "mlflow_run")
+        start_tracking.python_func(
+            experiment="registry", work_dir=str(tmp / "work"), pipeline_name="p", kfp_run_id=KFP_RUN,
+            kfp_run_name="n", mlflow_run=tracking,
+        )  # fmt: skip
+        model = art(Model, tmp, "model")
+        shutil.copytree(tiny_models["tiny"], tmp / "model")
+        checkpoints = dict(_recipe_steps(tracking, model, recipe, tmp) for recipe in RECIPES)
+        (tmp / "conversion.md").write_text("# FP8 conversion report\n")
+        report = art(Markdown, tmp, "report.md")
+        compare_recipes.python_func(
+            mlflow_run=tracking, run_ids=list(checkpoints), conversion_report=art(Markdown, tmp, "conversion.md"),
+            pipeline_name="p", kfp_run_id=KFP_RUN, report=report, report_html=art(HTML, tmp, "report.html"),
+        )  # fmt: skip
+        yield Compared(url, read_run_ref(tracking).run_id, checkpoints, report, tmp)
+
+
+def test_models_system_metrics_and_compare_keys_on_a_tracking_server(compared: Compared) -> None:
+    url, checkpoints, tmp_path = compared.url, compared.checkpoints, compared.tmp
+    client = MlflowClient(tracking_uri=url)
     # 3. the compare view's data: the comparison's child runs through the search API, every key for every recipe
     children = client.search_runs(
-        [client.get_run(ref.run_id).info.experiment_id], f"tags.mlflow.parentRunId = '{ref.run_id}'"
+        [client.get_run(compared.parent_id).info.experiment_id], f"tags.mlflow.parentRunId = '{compared.parent_id}'"
     )
     assert sorted(r.data.tags["recipe"] for r in children) == sorted(RECIPES)
     for run in children:
@@ -120,10 +127,11 @@ def test_models_system_metrics_and_compare_keys_on_a_tracking_server(
     champ = next(r for r in children if r.info.run_id == version.run_id)
     assert champ.data.metrics["evaluate/accuracy"] == best
     assert (
-        version.source == f"models:/{champ.data.tags[MODEL_ID_TAG]}" and version.tags[COMPARISON_RUN_TAG] == ref.run_id
+        version.source == f"models:/{champ.data.tags[MODEL_ID_TAG]}"
+        and version.tags[COMPARISON_RUN_TAG] == compared.parent_id
     )
-    parent = client.get_run(ref.run_id)
-    assert parent.data.tags[CHAMPION_TAG] == "models:/fp8rl-arithmetic@champion" == report.metadata["champion"]
+    parent = client.get_run(compared.parent_id)
+    assert parent.data.tags[CHAMPION_TAG] == "models:/fp8rl-arithmetic@champion" == compared.report.metadata["champion"]
     loaded = Path(
         mlflow.artifacts.download_artifacts("models:/fp8rl-arithmetic@champion", dst_path=str(tmp_path / "dl"))
     )
@@ -157,3 +165,21 @@ def _check_logged_model(client: MlflowClient, run: Any, checkpoint: Path) -> Non
     stored = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
     assert {"config.json", "model.safetensors"} <= stored, stored
     assert {p.name for p in checkpoint.iterdir() if p.is_file()} <= stored
+
+
+def test_the_mlflow_ui_shows_the_recipes_side_by_side_and_the_champion(compared: Compared) -> None:
+    """The real MLflow UI in headless Chromium (``scripts/mlflow_ui_shots.py``, as ``make mlflow-ui-shots`` runs it
+    for docs/images): the compare view of the recipe runs shows every comparison key for both recipes, the
+    registered model's page its champion."""
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"no Chromium at {CHROMIUM}: scripts/container_tools.sh --ui-only (make mlflow-ui-shots)")
+    pytest.importorskip("playwright.sync_api", reason="pip install playwright (make mlflow-ui-shots)")
+    comparison = latest_comparison(compared.url)
+    assert sorted(comparison.run_ids) == sorted(compared.checkpoints) and comparison.recipes == sorted(RECIPES)
+    texts = take_shots(compared.url, comparison, compared.tmp / "shots")
+    compare = texts["mlflow-compare.png"]
+    assert all(key in compare for key in COMPARE_KEYS.values()) and all(r in compare for r in RECIPES)
+    assert "fp8rl-arithmetic" in texts["mlflow-champion.png"] and "champion" in texts["mlflow-champion.png"]
+    for name in texts:
+        png = (compared.tmp / "shots" / name).read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 20_000, name
