@@ -32,9 +32,12 @@ from typing import Any
 
 CHROMIUM = os.environ.get("FP8RL_CHROMIUM", "/usr/bin/chromium")
 STARTUP_TIMEOUT_S = 120
-VIEWPORT = {"width": 1500, "height": 1000}
+VIEWPORT = {"width": 1700, "height": 1000}
 CHAMPION_TAG = "fp8rl.champion"  # fp8rl.tracking.models: models:/NAME@champion on the comparison run
 PARENT_TAG = "mlflow.parentRunId"
+# fp8rl.tracking.vocabulary.COMPARE_KEYS, the keys every recipe run carries (written out: a script of its own)
+COMPARE_KEYS = ("summary/step_s", "summary/rollout_tokens_per_s", "summary/train_tokens_per_s",
+                "summary/final_accuracy", "summary/mean_token_mult_prob_error")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,17 +129,31 @@ def take_shots(url: str, comparison: Comparison, out: Path) -> dict[str, str]:
 
 
 def _compare_view(page: Any, url: str, comparison: Comparison, path: Path) -> str:
+    """The compare view's parallel-coordinates plot: one line per recipe run across the comparison's keys."""
     query = urllib.parse.urlencode(
         {"runs": json.dumps(comparison.run_ids), "experiments": json.dumps([comparison.experiment_id])}
     )
     page.goto(f"{url}/#/compare-runs?{query}")
-    page.get_by_text("summary/step_s", exact=True).first.wait_for()
+    page.get_by_text("Parallel Coordinates Plot").first.wait_for()
+    page.get_by_role("button", name="Clear All").wait_for()
     _close_assistant(page)
-    # the metrics table lists every key in order: scroll the comparison's keys (summary/*) into view
-    page.get_by_text("summary/final_accuracy", exact=True).first.scroll_into_view_if_needed()
-    page.evaluate("window.scrollBy(0, 0)")
+    page.get_by_role("button", name="Clear All").click()
+    params, metrics = page.get_by_role("combobox").nth(0), page.get_by_role("combobox").nth(1)
+    _choose(page, params, ["recipe_config.name"])  # the recipe's name (the parameter `recipe` is the same)
+    _choose(page, metrics, list(COMPARE_KEYS))
+    page.wait_for_timeout(1500)  # the plot redraws
     page.screenshot(path=str(path))
     return str(page.inner_text("body"))
+
+
+def _choose(page: Any, select: Any, options: list[str]) -> None:
+    """Type each option into a multi-select and take the match, then close its list."""
+    for option in options:
+        select.click()
+        select.fill(option)
+        page.get_by_title(option, exact=True).last.wait_for()
+        page.keyboard.press("Enter")
+    page.keyboard.press("Escape")
 
 
 def _champion_page(page: Any, url: str, comparison: Comparison, path: Path) -> str:
@@ -144,7 +161,7 @@ def _champion_page(page: Any, url: str, comparison: Comparison, path: Path) -> s
     page.goto(f"{url}/#/models/{urllib.parse.quote(name)}")
     page.get_by_text("@ champion").first.wait_for()
     _close_assistant(page)
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), clip={"x": 0, "y": 0, "width": VIEWPORT["width"], "height": 560})
     return str(page.inner_text("body"))
 
 
