@@ -43,8 +43,8 @@ def benchmark(
     preset: str = "",
 ) -> str:
     """Median throughput over ``steps`` timed RL steps after ``warmup_steps`` (``fp8rl.bench.throughput``), logged
-    as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty), with the system metrics of the
-    benchmark; returns that run id.
+    as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty), with the system metrics
+    of the benchmark; returns that run id.
     ``profile_train``: one more step, its policy step under the profiler (``bench/train_device_ms/<category>``).
     ``preset``: a ``fp8rl bench step --preset`` layout whose run-config settings and batch apply, ``run_config``
     over them, and whose steps apply where ``steps`` is 0 or ``warmup_steps`` -1 (without a preset: 5 and 2)."""

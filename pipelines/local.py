@@ -134,8 +134,8 @@ def _run_folders(root: Path, pipeline: str) -> set[Path]:
 
 
 def _report(new_runs: set[Path]) -> tuple[Path, dict[str, Any]]:
-    """The compare step's Markdown report and its metadata (the table, the champion), from the run's folder (``<root>/<pipeline>-<time>``, one
-    per kfp.local run).  The pipelines return nothing: KFP takes no pipeline output from inside an exit handler."""
+    """The compare step's Markdown report and its metadata (the table, the champion), from the run's folder
+    (``<root>/<pipeline>-<time>``, one per kfp.local run).  The pipelines return nothing: KFP takes no pipeline output from inside an exit handler."""
     if len(new_runs) != 1:
         raise RuntimeError(f"expected the folder of one kfp.local run, found {sorted(map(str, new_runs))}")
     step = new_runs.pop() / COMPARE_STEP

@@ -142,8 +142,9 @@ def register_champion(
     )  # fmt: skip
     client.set_registered_model_alias(name, CHAMPION_ALIAS, version.version)
     champion = Champion(name, str(version.version), recipe, run.info.run_id, model_id, accuracy)
-    for key, value in {CHAMPION_TAG: champion.uri, f"{CHAMPION_TAG}_version": champion.version,
-                       f"{CHAMPION_TAG}_recipe": recipe, f"{CHAMPION_TAG}_run_id": run.info.run_id}.items():  # fmt: skip
+    links = {CHAMPION_TAG: champion.uri, f"{CHAMPION_TAG}_version": champion.version}
+    links |= {f"{CHAMPION_TAG}_recipe": recipe, f"{CHAMPION_TAG}_run_id": run.info.run_id}
+    for key, value in links.items():
         client.set_tag(parent_run_id, key, value)
     return champion
 
