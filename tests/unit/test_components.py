@@ -280,6 +280,10 @@ def test_benchmark_without_a_run_makes_a_child_run(
     assert run.data.tags["recipe"] == "fp8-rollout" and run.data.tags[TAG_KFP_COMPONENT] == "benchmark"
     assert run.data.tags["mlflow.parentRunId"] == ref.run_id and "bench/sync_s" in run.data.metrics
     assert run.data.metrics["bench/train_device_ms/gemm"] > 0  # profile_train: the extra step's kernel time
+    # a benchmark's own run carries the comparison's throughput keys (fp8rl.tracking.vocabulary), its medians
+    for key in ("step_s", "rollout_tokens_per_s", "train_tokens_per_s"):
+        assert run.data.metrics[f"summary/{key}"] == run.data.metrics[f"bench/{key}"] > 0
+    assert run.data.tags["seed"] == "0"
 
 
 def test_rl_step_refuses_an_unknown_backend(tracking: Artifact, tmp_path: Path) -> None:
