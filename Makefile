@@ -17,7 +17,7 @@ K8S_TOOLS_DIR ?= $(HOME)/.cache/fp8rl/tools
 UV_VERSION ?= 0.13.9
 UV_INSTALL := UV_NATIVE_TLS=1 $(BIN)/uv pip install --python $(BIN)/python $(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL))
 
-.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e e2e-check e2e-prepare chart-recipes clean
+.PHONY: install demo test lint typecheck k8s-tools images node-deps cluster-up cluster-down e2e e2e-check e2e-prepare chart-recipes mlflow-ui-shots clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] <= (3, 12), "fp8rl needs Python 3.11 or 3.12"'
@@ -68,7 +68,9 @@ cluster-down:
 # KFP_SRC=<kubeflow/pipelines at 2.17.0>), or one message of what only the user can provide (`make e2e-check` says it
 # and changes nothing); then a fresh cluster with the component image and KFP's driver, launcher and argoexec images,
 # the backend as host processes, the chart, the three pipelines submitted with `pipelines.submit --wait` on CPU
-# settings, then the KFP UI driven in headless Chromium (tests/cluster/test_kfp_ui.py). Prints
+# settings, then the KFP UI driven in headless Chromium (tests/cluster/test_kfp_ui.py); first, the MLflow UI of a
+# recipe comparison on a real MLflow server in the same Chromium (tests/integration/test_mlflow_registry.py, which CI
+# runs without the browser part). Prints
 # `E2E OK kfp-run=<id> mlflow-parent=<id>` last; leaves the cluster up (`make cluster-down`). Root.
 KFP_IMAGES := localhost/fp8rl-kfp-driver:2.17.0 localhost/fp8rl-kfp-launcher:2.17.0 localhost/fp8rl-argoexec:v4.0.5
 e2e-check: install
@@ -79,6 +81,7 @@ e2e-prepare: install
 
 e2e: e2e-prepare k8s-tools node-deps images
 	$(UV_INSTALL) -q -c constraints.txt playwright
+	$(BIN)/pytest -p no:cacheprovider tests/integration/test_mlflow_registry.py
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) scripts/kfp_backend/images.sh
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py --down
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/local_cluster.py down
@@ -86,6 +89,13 @@ e2e: e2e-prepare k8s-tools node-deps images
 	  --image localhost/$$($(BIN)/python -c 'from components.images import COMPONENT_IMAGE as i; print(i)') \
 	  $(addprefix --image ,$(KFP_IMAGES))
 	FP8RL_TOOLS_DIR=$(K8S_TOOLS_DIR) $(BIN)/python scripts/kfp_backend/e2e.py
+
+# The last `make demo` comparison in the real MLflow UI, in headless Chromium (Debian's; root to install it): the
+# compare view of its recipe runs and the champion's registered model, as docs/images/mlflow-*.png (docs/tracking.md).
+mlflow-ui-shots: install
+	scripts/container_tools.sh --ui-only
+	$(UV_INSTALL) -q -c constraints.txt playwright
+	$(BIN)/python scripts/mlflow_ui_shots.py --work-dir $(WORK) --out docs/images
 
 # --durations: the slowest tests, printed by every run (what CI's time goes to). The cluster and image tiers run in a
 # second pytest process beside the rest (scripts/pytest_tiers.sh); `$(BIN)/python -m pytest` runs everything in one.

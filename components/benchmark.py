@@ -43,24 +43,32 @@ def benchmark(
     preset: str = "",
 ) -> str:
     """Median throughput over ``steps`` timed RL steps after ``warmup_steps`` (``fp8rl.bench.throughput``), logged
-    as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty); returns that run id.
+    as ``bench/*`` to the recipe's MLflow run ``run_id`` (or to a new child run when empty), with the system metrics
+    of the benchmark; returns that run id.
     ``profile_train``: one more step, its policy step under the profiler (``bench/train_device_ms/<category>``).
     ``preset``: a ``fp8rl bench step --preset`` layout whose run-config settings and batch apply, ``run_config``
     over them, and whose steps apply where ``steps`` is 0 or ``warmup_steps`` -1 (without a preset: 5 and 2)."""
-    from components.runtime import kfp_tags, log_kfp_metrics, log_to_recipe_run, read_run_ref, runs_fail_with_the_step
+    from components.runtime import kfp_tags, log_kfp_metrics, read_run_ref, recipe_run, runs_fail_with_the_step
     from components.runtime import run_config as make_config
     from fp8rl.bench.presets import get_preset, pipeline_steps
     from fp8rl.bench.throughput import benchmark_recipe
+    from fp8rl.tracking.vocabulary import bench_throughput
 
     ref = read_run_ref(mlflow_run)
     fields = get_preset(preset, "preset").run_fields(run_config) if preset else run_config
     steps, warmup_steps = pipeline_steps(preset, steps, warmup_steps)
     cfg = make_config(recipe, steps + warmup_steps + int(profile_train), seed, fields, ref)
-    with runs_fail_with_the_step(ref, "benchmark", recipe, seed):
+    tags = kfp_tags(pipeline_name, kfp_run_id, "benchmark")
+    with (
+        recipe_run(ref, run_id, recipe, seed, tags, cfg.tracking) as run,
+        runs_fail_with_the_step(ref, "benchmark", recipe, seed),
+    ):
         result = benchmark_recipe(
             cfg, model.path, device, steps=steps, warmup_steps=warmup_steps, profile_train=profile_train
         )
-    run_id = log_to_recipe_run(ref, run_id, recipe, result.metrics(), kfp_tags(pipeline_name, kfp_run_id, "benchmark"))
+        # a run of its own: the comparison's throughput keys too (an RL run has its own: fp8rl.tracking.vocabulary)
+        run.log_metrics({**result.metrics(), **({} if run_id else bench_throughput(result.metrics()))}, step=0)
+    run_id = run.run_id
     log_kfp_metrics(metrics, result.metrics())
     metrics.metadata["device_name"] = result.device_name
     if result.train_profile_error:  # the timed numbers are logged above; the asked-for profile is not there

@@ -32,7 +32,10 @@ def compare_recipes(
 ) -> None:
     """Table of final accuracy, mismatch and throughput per recipe, with plots (``fp8rl.bench.report``), for the
     runs ``run_ids`` (empty: every recipe run under the comparison run); the FP8 conversion report is appended.
-    The report is logged to the comparison run, which then ends FINISHED (FAILED if this step fails)."""
+    The best recipe's trained checkpoint (``fp8rl.tracking.models.register_champion``) becomes a version of the
+    registered model ``fp8rl-<task>`` with alias ``champion`` (when the runs logged models: not in a benchmark).
+    The report is logged to the comparison run, which then ends FINISHED (FAILED if this step fails), unless a
+    failed step ended it before: that status stays."""
     import tempfile
     from pathlib import Path
 
@@ -40,9 +43,10 @@ def compare_recipes(
     from fp8rl.atomic import atomic_write_text
     from fp8rl.bench.report import build_comparison_report
     from fp8rl.tracking import MlflowSink
+    from fp8rl.tracking.models import register_champion
 
     ref = read_run_ref(mlflow_run)
-    with MlflowSink.attach(ref.run_id, ref.work_dir) as parent:
+    with MlflowSink.attach(ref.run_id, ref.work_dir, keep_ended=True) as parent:
         result = build_comparison_report(
             ref.experiment, ref.run_id, parent.tracking_uri, list(run_ids) or None, title=f"{pipeline_name}: recipes",
             context=[f"KFP pipeline `{pipeline_name}`, run `{kfp_run_id}`."],
@@ -50,7 +54,11 @@ def compare_recipes(
         )  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="fp8rl-report-") as tmp:
             parent.log_artifact(result.write(tmp))
+        champion = register_champion(parent.tracking_uri, ref.run_id, list(run_ids) or None)
     report.metadata.update({"table": result.table, "mlflow_run_id": ref.run_id, "tracking_uri": ref.tracking_uri})
     atomic_write_text(report.path, result.markdown)
     atomic_write_text(report_html.path, result.html)
     print(result.table)
+    if champion is not None:
+        report.metadata.update({"champion": champion.uri, "champion_recipe": champion.recipe})
+        print(champion.how_to_load(ref.tracking_uri))

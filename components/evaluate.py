@@ -18,15 +18,18 @@ def evaluate(
     device: str = "auto",
 ) -> None:
     """Greedy and sampled held-out accuracy and response statistics (``fp8rl.bench.checkpoint_eval``), logged to the
-    recipe's MLflow run ``run_id`` as ``evaluate/*`` and to ``metrics``."""
-    from components.runtime import log_kfp_metrics, log_to_recipe_run, read_run_ref, runs_fail_with_the_step
+    recipe's MLflow run ``run_id`` as ``evaluate/*`` (with the system metrics of the evaluation) and to ``metrics``."""
+    from components.runtime import log_kfp_metrics, read_run_ref, recipe_run, runs_fail_with_the_step
     from components.runtime import run_config as make_config
     from fp8rl.bench.checkpoint_eval import evaluate_checkpoint
 
     ref = read_run_ref(mlflow_run)
     cfg = make_config(recipe, 1, seed, run_config, ref)
-    with runs_fail_with_the_step(ref, "evaluate", recipe, seed):
+    with (
+        recipe_run(ref, run_id, recipe, seed, {}, cfg.tracking) as run,
+        runs_fail_with_the_step(ref, "evaluate", recipe, seed),
+    ):
         results = evaluate_checkpoint(cfg, model.path, device)
-    log_to_recipe_run(ref, run_id, recipe, results, tags={})
+        run.log_metrics(results, step=0)
     log_kfp_metrics(metrics, results)
     print(", ".join(f"{k} {v:.4f}" for k, v in results.items()))

@@ -26,7 +26,8 @@ from fp8rl.errors import UserError
 if TYPE_CHECKING:
     from kfp.dsl import Artifact, Metrics
 
-    from fp8rl.config import RunConfig
+    from fp8rl.config import RunConfig, TrackingConfig
+    from fp8rl.tracking import MlflowSink
 
 # MLflow tags linking a run to the KFP run and step that made it (search: tags."kfp.run_id" = '<id>').
 TAG_KFP_RUN_ID = "kfp.run_id"
@@ -115,22 +116,36 @@ def run_metrics(run_id: str, work_dir: str, prefix: str = "") -> dict[str, float
     return {k: v for k, v in client.get_run(run_id).data.metrics.items() if k.startswith(prefix)}
 
 
-def log_to_recipe_run(
-    ref: MlflowRunRef, run_id: str, recipe: str, metrics: Mapping[str, float], tags: Mapping[str, str], step: int = 0
-) -> str:
-    """Log ``metrics`` into the recipe run ``run_id``, or, when it is empty, into a new child run of the
-    comparison run (named ``<recipe>-<component>``); returns the run id."""
+@contextlib.contextmanager
+def recipe_run(
+    ref: MlflowRunRef, run_id: str, recipe: str, seed: int, tags: Mapping[str, str], tracking: TrackingConfig
+) -> Iterator[MlflowSink]:
+    """The recipe's MLflow run while a step works on it: the run ``run_id`` (the RL step's, which ended it) RUNNING
+    again, or, when ``run_id`` is empty, a new child run of the comparison run (``<recipe>-<component>``, tagged
+    ``recipe`` and ``seed``). MLflow's system metrics sample the step's machine meanwhile (``tracking``); the run
+    ends FINISHED, or FAILED when the body raises (a run that was FAILED before stays so)."""
     from fp8rl.tracking import MlflowSink, recipe_tags
 
+    recipe = recipe_name(recipe)
     if run_id:
-        sink = MlflowSink.attach(run_id, ref.work_dir)  # the run's owner closed it already: leave it as it is
-        sink.log_metrics(metrics, step=step)
-        return run_id
-    name = f"{recipe}-{tags.get(TAG_KFP_COMPONENT, 'step')}"
-    with MlflowSink(ref.experiment, name, ref.work_dir, ref.run_id, {**recipe_tags(recipe), **tags}) as sink:
+        sink = MlflowSink.attach(run_id, ref.work_dir, keep_ended=True)
+        sink.reopen()
+    else:
+        name = f"{recipe}-{tags.get(TAG_KFP_COMPONENT, 'step')}"
+        sink = MlflowSink(ref.experiment, name, ref.work_dir, ref.run_id, {**recipe_tags(recipe), "seed": seed, **tags})
         sink.log_params(recipe_tags(recipe))
-        sink.log_metrics(metrics, step=step)
-        return sink.run_id
+    with sink:
+        if tracking.system_metrics:
+            sink.start_system_metrics(tracking.system_metrics_interval_s)
+        yield sink
+
+
+def recipe_name(recipe: str) -> str:
+    """The name a recipe's runs are tagged with: a built-in recipe's own, or the ``name`` inside a recipe file
+    (a step is given the file's path); a clear error when it is neither (``fp8rl.config.load_recipe``)."""
+    from fp8rl.config import BUILTIN_RECIPES, load_recipe
+
+    return recipe if recipe in BUILTIN_RECIPES else load_recipe(recipe).name
 
 
 # the MLflow tag on a comparison run that a failed step ended: which step, and its error
@@ -166,6 +181,8 @@ def _end_runs(ref: MlflowRunRef, component: str, recipe: str, seed: int | None, 
     parent = client.get_run(ref.run_id)
     query = f"tags.mlflow.parentRunId = '{ref.run_id}' and attributes.status = 'RUNNING'"
     if recipe:
+        with contextlib.suppress(UserError):  # an unreadable recipe file: its runs carry no other name to look for
+            recipe = recipe_name(recipe)
         query += f" and tags.recipe = '{recipe}'"
     if seed is not None:
         query += f" and tags.seed = '{seed}'"

@@ -33,6 +33,8 @@ from fp8rl.tracking import (
     start_parent_run,
 )
 from fp8rl.tracking.datasets import DatasetRecord, builtin_dataset, file_dataset
+from fp8rl.tracking.models import log_checkpoint_model
+from fp8rl.tracking.vocabulary import MEAN_TOKEN_MULT_PROB_ERROR, step_throughput
 
 # metric key in the step history -> file name of its plot
 PLOTTED_METRICS: dict[str, str] = {
@@ -121,6 +123,8 @@ def tracked_run(
     log(f"[{run_name(cfg)}] device: {described}")
     sink = _open_run(cfg, model_dir, parent_run_id, tags, checkpoint_dir)
     with sink:
+        if cfg.tracking.system_metrics:
+            sink.start_system_metrics(cfg.tracking.system_metrics_interval_s)
         sink.set_tags({"fp8rl.device": described, **provenance_tags()})
         if output_dir is not None:  # where the trained policy is written (a path on the shared volume, on a cluster)
             sink.set_tags({"fp8rl.checkpoint_uri": str(Path(output_dir).resolve())})
@@ -131,15 +135,24 @@ def tracked_run(
         else:
             result = run_rl(cfg, model_dir, sink, log, where, output_dir, checkpoint_dir=checkpoint_dir)
         log_plots(sink, {run_name(cfg): histories(result)})
-        sink.log_metrics(
-            {
-                **{f"summary/initial_{k.split('/')[-1]}": v for k, v in result.initial.items()},
-                **{f"summary/final_{k.split('/')[-1]}": v for k, v in result.final.items()},
-                "summary/mean_token_mult_prob_error": result.run_mean("mismatch/token_mult_prob_error"),
-            },
-            step=cfg.steps,
-        )
+        sink.log_metrics(run_summary(result), step=cfg.steps)
+        if output_dir is not None and cfg.tracking.log_model:
+            model_id = log_checkpoint_model(
+                sink.tracking_uri, sink.run_id, output_dir, result.final.get("eval/accuracy")
+            )
+            log(f"[{run_name(cfg)}] trained checkpoint logged as MLflow model models:/{model_id}")
         return TrackedRun(sink.run_id, result)
+
+
+def run_summary(result: RLResult) -> dict[str, float]:
+    """The run's ``summary/*`` metrics (``fp8rl.tracking.vocabulary``): held-out accuracy and the other evaluation
+    keys before and after, the run mean of token_mult_prob_error, and the median step time and tokens/s."""
+    return {
+        **{f"summary/initial_{k.split('/')[-1]}": v for k, v in result.initial.items()},
+        **{f"summary/final_{k.split('/')[-1]}": v for k, v in result.final.items()},
+        MEAN_TOKEN_MULT_PROB_ERROR: result.run_mean("mismatch/token_mult_prob_error"),
+        **step_throughput(result.history),
+    }
 
 
 def _open_run(

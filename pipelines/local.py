@@ -42,6 +42,7 @@ class LocalRun:
     tracking_uri: str
     log: Path
     seconds: float
+    champion: str = ""  # models:/NAME@champion, when the comparison registered one
 
 
 class _ConsoleFilter(io.TextIOBase):
@@ -122,17 +123,19 @@ def run_locally(
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
         pipeline(**args)
     seconds = time.perf_counter() - start
-    report, table = _report(_run_folders(root, pipeline.name) - earlier)
-    return LocalRun(name, report, table, tracking_uri, log_path, seconds)
+    report, metadata = _report(_run_folders(root, pipeline.name) - earlier)
+    return LocalRun(
+        name, report, str(metadata.get("table", "")), tracking_uri, log_path, seconds, str(metadata.get("champion", ""))
+    )
 
 
 def _run_folders(root: Path, pipeline: str) -> set[Path]:
     return {p for p in root.glob(f"{pipeline}-*") if p.is_dir()}
 
 
-def _report(new_runs: set[Path]) -> tuple[Path, str]:
-    """The compare step's Markdown report and its table, from the run's folder (``<root>/<pipeline>-<time>``, one
-    per kfp.local run).  The pipelines return nothing: KFP takes no pipeline output from inside an exit handler."""
+def _report(new_runs: set[Path]) -> tuple[Path, dict[str, Any]]:
+    """The compare step's Markdown report and its metadata (the table, the champion), from the run's folder
+    (``<root>/<pipeline>-<time>``, one per kfp.local run).  The pipelines return nothing: KFP takes no pipeline output from inside an exit handler."""
     if len(new_runs) != 1:
         raise RuntimeError(f"expected the folder of one kfp.local run, found {sorted(map(str, new_runs))}")
     step = new_runs.pop() / COMPARE_STEP
@@ -141,4 +144,4 @@ def _report(new_runs: set[Path]) -> tuple[Path, str]:
         (artifact,) = outputs["artifacts"]["report"]["artifacts"]
     except (OSError, ValueError, KeyError) as e:
         raise RuntimeError(f"{step}: no report from the {COMPARE_STEP} step ({e!r})") from e
-    return step / "report", str(artifact.get("metadata", {}).get("table", ""))
+    return step / "report", dict(artifact.get("metadata", {}))

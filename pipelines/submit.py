@@ -112,6 +112,10 @@ def submit_locally(args: argparse.Namespace, name: str, pipeline: Any, arguments
         print(f"open the runs: mlflow ui --backend-store-uri {run.tracking_uri}")
     else:
         print(f"open the runs: {run.tracking_uri}")
+    if run.champion:
+        from fp8rl.tracking.models import load_instructions
+
+        print(f"the best recipe's model: {run.champion}\n{load_instructions(run.champion, run.tracking_uri)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

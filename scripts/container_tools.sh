@@ -2,10 +2,11 @@
 # Installs what `make images` needs to build and run the project's images without a Docker daemon: podman and
 # buildah (rootful, runc), mmdebstrap (the local base images), umoci and skopeo (OCI archives). With --node, also
 # what the local cluster's real node needs (`make node-deps`): containerd, the CNI plugins, iptables and gcc (the
-# pod sandbox's pause binary). With --ui, also Chromium (`make e2e` drives the KFP UI in it). With --kfp, also what
-# the real KFP backend of `make e2e` runs and builds with (scripts/kfp_backend/prepare.py): MariaDB, git and npm.
-# Debian/Ubuntu packages; needs root. Does nothing when they are all present. --check installs nothing: it prints the
-# missing tools on one line (nothing when none is missing) and the packages that provide them on a second.
+# pod sandbox's pause binary). With --ui, also Chromium (`make e2e` drives the KFP UI in it); with --ui-only, Chromium
+# alone (`make mlflow-ui-shots` drives the MLflow UI in it). With --kfp, also what the real KFP backend of `make e2e`
+# runs and builds with (scripts/kfp_backend/prepare.py): MariaDB, git and npm. Debian/Ubuntu packages; needs root.
+# Does nothing when they are all present. --check installs nothing: it prints the missing tools on one line (nothing
+# when none is missing) and the packages that provide them on a second.
 set -euo pipefail
 tools=(podman buildah mmdebstrap runc umoci skopeo)
 packages=(podman buildah mmdebstrap runc umoci skopeo fuse-overlayfs uidmap ca-certificates curl)
@@ -18,11 +19,14 @@ for opt in "$@"; do
     --ui)
         tools+=(chromium)
         packages+=(chromium) ;;
+    --ui-only)
+        tools=(chromium)
+        packages=(chromium ca-certificates) ;;
     --kfp)
         tools+=(/usr/sbin/mariadbd mariadb-install-db git npm)
         packages+=(mariadb-server git npm) ;;
     --check) check=1 ;;
-    *) echo "container_tools.sh: unknown option $opt (--node, --ui, --kfp, --check)" >&2; exit 2 ;;
+    *) echo "container_tools.sh: unknown option $opt (--node, --ui, --ui-only, --kfp, --check)" >&2; exit 2 ;;
     esac
 done
 missing=()

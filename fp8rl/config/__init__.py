@@ -37,7 +37,7 @@ from fp8rl.config.rollout import (
     kv_scales_calibrated,
     rollout_recipe,
 )
-from fp8rl.config.run import RayConfig, RunConfig, load_run_config_data, parse_run_config
+from fp8rl.config.run import RayConfig, RunConfig, TrackingConfig, load_run_config_data, parse_run_config
 from fp8rl.config.task import (
     ArithmeticTaskConfig,
     ExactMatchRewardConfig,
@@ -77,6 +77,7 @@ __all__ = [
     "TISCorrection",
     "TaskConfig",
     "TaskFields",
+    "TrackingConfig",
     "WordProblemsTaskConfig",
     "format_validation_errors",
     "kv_scales_calibrated",

@@ -61,6 +61,18 @@ class RayConfig(Strict):
         return self
 
 
+class TrackingConfig(Strict):
+    """What a run records in MLflow besides its parameters and step metrics (``fp8rl.tracking``)."""
+
+    # MLflow's system metrics (system/*: CPU, memory, disk and network; GPU utilization and memory where the NVIDIA
+    # management library is present), sampled every system_metrics_interval_s on the machine of the run's process
+    system_metrics: bool = True
+    system_metrics_interval_s: float = Field(10.0, gt=0)
+    # the trained checkpoint as an MLflow model of the run (copied into the artifact store: fp8rl.tracking.models);
+    # false: it stays only at its path (the run's tag fp8rl.checkpoint_uri)
+    log_model: bool = True
+
+
 class RunConfig(Strict):
     """One RL run: a recipe plus everything else the loop needs."""
 
@@ -92,6 +104,7 @@ class RunConfig(Strict):
     ray: RayConfig | None = None
     work_dir: str = "work"
     experiment: str = "fp8rl"
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _engine_supports_recipe(self) -> RunConfig:

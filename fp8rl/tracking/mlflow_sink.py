@@ -132,10 +132,16 @@ class MlflowSink(ClosesOnExit):
         self.run_id: str = run.info.run_id
         self.experiment_id = experiment_id
         self._closed = False
+        self._keep_ended = False
+        self._system_metrics: Any = None
 
     @classmethod
-    def attach(cls, run_id: str, work_dir: str | os.PathLike[str]) -> MlflowSink:
-        """A sink for an existing run (e.g. a parent run started by another process)."""
+    def attach(cls, run_id: str, work_dir: str | os.PathLike[str], keep_ended: bool = False) -> MlflowSink:
+        """A sink for an existing run (e.g. a parent run started by another process).
+
+        ``keep_ended``: closing leaves a run that another process already ended (FAILED by a failed step) as it
+        is, instead of overwriting its status: a run's end state is final.
+        """
         from mlflow import MlflowClient
 
         self = cls.__new__(cls)
@@ -144,7 +150,24 @@ class MlflowSink(ClosesOnExit):
         self.experiment_id = self._client.get_run(run_id).info.experiment_id
         self.run_id = run_id
         self._closed = False
+        self._keep_ended = keep_ended
+        self._system_metrics = None
         return self
+
+    def reopen(self) -> None:
+        """Mark a FINISHED run RUNNING again while a later step works on it (a pipeline's evaluation of the RL
+        run's checkpoint): MLflow's system-metrics sampler logs only into a RUNNING run, and a failure of that step
+        then ends the run FAILED.  A FAILED or KILLED run stays as it is."""
+        if self._client.get_run(self.run_id).info.status == "FINISHED":
+            self._client.update_run(self.run_id, status="RUNNING")
+
+    def start_system_metrics(self, interval_s: float) -> None:
+        """MLflow's system metrics (``system/*``) every ``interval_s`` until the run is closed
+        (``fp8rl.tracking.system_metrics``)."""
+        from fp8rl.tracking.system_metrics import start_system_metrics
+
+        if self._system_metrics is None:
+            self._system_metrics = start_system_metrics(self.run_id, self.tracking_uri, interval_s)
 
     @property
     def artifact_uri(self) -> str:
@@ -199,7 +222,13 @@ class MlflowSink(ClosesOnExit):
     def close(self, status: RunStatus = "FINISHED") -> None:
         if self._closed:
             return
-        self._client.set_terminated(self.run_id, status)
+        if self._system_metrics is not None:
+            from fp8rl.tracking.system_metrics import stop_system_metrics
+
+            stop_system_metrics(self._system_metrics)  # its last samples go before the run ends
+            self._system_metrics = None
+        if not (self._keep_ended and self._client.get_run(self.run_id).info.status != "RUNNING"):
+            self._client.set_terminated(self.run_id, status)
         self._closed = True
 
 

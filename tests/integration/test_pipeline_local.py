@@ -28,6 +28,9 @@ BUDGET = [
 ]
 
 
+CHAMPION = "models:/fp8rl-arithmetic@champion"
+
+
 def test_recipe_comparison_runs_locally(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -39,7 +42,10 @@ def test_recipe_comparison_runs_locally(
     out = capsys.readouterr().out
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
-    assert out.rstrip().endswith(f"open the runs: mlflow ui --backend-store-uri {uri}")
+    assert f"\nopen the runs: mlflow ui --backend-store-uri {uri}\n" in out
+    # last, the best recipe's registered model and how to load and serve it
+    assert f"the best recipe's model: {CHAMPION}\n" in out and f"mlflow artifacts download -u {CHAMPION}" in out
+    assert out.rstrip().endswith("vllm serve champion-model   (a Hugging Face checkpoint directory)")
     assert "Got executor_input" not in out  # kfp.local's JSON dumps go to the log file only
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in table[1:]] == ["| bf16", "| fp8-e2e", "| fp8-rollout"]
@@ -66,6 +72,8 @@ def test_recipe_comparison_runs_locally(
     by_tag = client.search_runs([exp.experiment_id], f"tags.`kfp.run_id` = '{kfp_run_id}'")
     assert len(by_tag) == 5 and all(r.info.status == "FINISHED" for r in by_tag)
     assert not any("fp8rl.ended_by" in r.data.tags for r in by_tag)  # every step ended its own run
+    champion = client.get_model_version_by_alias("fp8rl-arithmetic", "champion")
+    assert champion.run_id in {c.info.run_id for c in children} and parent.data.tags["fp8rl.champion"] == CHAMPION
 
     logs = list((work / "kfp-local").glob("recipe-comparison-*.log"))
     assert len(logs) == 1 and "Got executor_input" in logs[0].read_text()

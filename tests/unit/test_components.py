@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +238,9 @@ def test_rl_evaluate_benchmark_compare(tracking: Artifact, tmp_path: Path, tiny_
         assert run.data.tags["mlflow.parentRunId"] == ref.run_id
         assert run.data.tags[TAG_KFP_RUN_ID] == KFP_RUN and run.data.tags[TAG_KFP_COMPONENT] == "rl-step"
         assert {"evaluate/accuracy", "bench/train_tokens_per_s", "summary/final_accuracy"} <= set(run.data.metrics)
+        # the comparison's step time: the median of the RL steps' (fp8rl.tracking.vocabulary)
+        steps = sorted(m.value for m in client.get_metric_history(run_id, "time/step_s"))
+        assert run.data.metrics["summary/step_s"] == pytest.approx(statistics.median(steps)) and len(steps) == 1
         # the data it trained and was evaluated on, as MLflow dataset inputs: the same for both recipes
         inputs = {t.value: d.dataset for d in run.inputs.dataset_inputs for t in d.tags}
         assert {k: v.name for k, v in inputs.items()} == {
@@ -280,6 +284,10 @@ def test_benchmark_without_a_run_makes_a_child_run(
     assert run.data.tags["recipe"] == "fp8-rollout" and run.data.tags[TAG_KFP_COMPONENT] == "benchmark"
     assert run.data.tags["mlflow.parentRunId"] == ref.run_id and "bench/sync_s" in run.data.metrics
     assert run.data.metrics["bench/train_device_ms/gemm"] > 0  # profile_train: the extra step's kernel time
+    # a benchmark's own run carries the comparison's throughput keys (fp8rl.tracking.vocabulary), its medians
+    for key in ("step_s", "rollout_tokens_per_s", "train_tokens_per_s"):
+        assert run.data.metrics[f"summary/{key}"] == run.data.metrics[f"bench/{key}"] > 0
+    assert run.data.tags["seed"] == "0"
 
 
 def test_rl_step_refuses_an_unknown_backend(tracking: Artifact, tmp_path: Path) -> None:
