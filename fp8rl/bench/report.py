@@ -9,6 +9,7 @@ logged to that run:
 | evaluated accuracy, sampled | ``evaluate/accuracy``, ``evaluate/sampled_accuracy`` (evaluation of the trained checkpoint) |
 | token_mult_prob_error | ``summary/mean_token_mult_prob_error`` (run mean of the per-step value) |
 | step, generate, train s; rollout / train tok/s, sync | ``bench/*`` (``fp8rl.bench.throughput``: medians of the timed steps) |
+| vs bf16 accuracy | each FP8 recipe's mean ``summary/final_accuracy`` over its runs against the bf16 runs': "at parity" or "N points under BF16 (outside the seeds' spread)" (``fp8rl.accuracy_report.parity_verdict``) |
 
 A missing metric shows as ``n/a`` (e.g. a benchmark-only run has no accuracy). The report is
 Markdown (the table) and a self-contained HTML page (the table and the plots of reward,
@@ -88,10 +89,28 @@ def _cell(run: RunSummary, metric: str, fmt: str) -> str:
     return fmt.format(value)
 
 
-def _columns() -> list[Column]:
+def accuracy_verdicts(runs: Sequence[RunSummary]) -> dict[str, str]:
+    """Each non-bf16 recipe's final accuracy (mean over its runs) against the bf16 runs' (``parity_verdict``); no
+    verdicts without bf16 runs or final accuracies."""
+    from fp8rl.accuracy_report import BF16, parity_verdict
+
+    finals: dict[str, list[float]] = {}
+    for r in runs:
+        value = r.final("summary/final_accuracy")
+        if value is not None and not math.isnan(value):
+            finals.setdefault(r.recipe, []).append(value)
+    bf16 = finals.get(BF16)
+    if not bf16:
+        return {}
+    return {k: parity_verdict(sum(v) / len(v), bf16) for k, v in finals.items() if k != BF16}
+
+
+def _columns(runs: Sequence[RunSummary]) -> list[Column]:
+    verdicts = accuracy_verdicts(runs)
     return [
         Column("recipe", lambda r: r.recipe),
         *(Column(h, functools.partial(_cell, metric=m, fmt=f)) for h, m, f in COLUMNS),
+        Column("vs bf16 accuracy", lambda r: verdicts.get(r.recipe, "-")),
         Column("run", lambda r: r.run_name),  # <recipe>-seed<N>: which seed, when a recipe runs with several
         Column("status", lambda r: r.status),
         Column("MLflow run", lambda r: r.run_id),
@@ -99,11 +118,11 @@ def _columns() -> list[Column]:
 
 
 def markdown_table(runs: Sequence[RunSummary]) -> str:
-    return runs_table(runs, _columns())
+    return runs_table(runs, _columns(runs))
 
 
 def _html_table(runs: Sequence[RunSummary]) -> str:
-    return runs_html_table(runs, _columns())
+    return runs_html_table(runs, _columns(runs))
 
 
 def _plots(runs: Sequence[RunSummary]) -> dict[str, bytes]:

@@ -122,6 +122,11 @@ def test_report_reads_the_runs_back(tmp_path: Path) -> None:
     assert bf16["accuracy start"] == "0.100" and bf16["accuracy end"] == "0.500"
     assert bf16["sync MiB"] == "2.00" and bf16["rollout tok/s"] == "1234"
     assert bf16["evaluated accuracy"] == "n/a"  # not logged: said so, not zero
+    # the FP8 recipe against bf16: 0.25 against one bf16 run at 0.5
+    assert [r.split(" | ")[len(COLUMNS) + 1] for r in rows] == [
+        "-",
+        "25.0 points under BF16 (outside the seeds' spread)",
+    ]
     assert set(report.plots) == set(PLOTS.values()) and all(p.startswith(b"\x89PNG") for p in report.plots.values())
     assert report.html.count("data:image/png;base64,") == len(PLOTS) and "<table>" in report.html
     assert report.markdown.startswith("# Recipe comparison") and "# Appendix" in report.markdown
