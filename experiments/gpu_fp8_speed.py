@@ -386,7 +386,7 @@ def section_requant(a: argparse.Namespace) -> dict[str, Any]:
     out["requant_and_pack_ms"] = time_ms(requant_and_pack, warmup=1, reps=5)
     out["requant_gb_per_s"] = req_bytes / out["requant_ms"] / 1e6
     out["requant_fraction_of_copy"] = out["requant_gb_per_s"] / copy
-    import fp8rl.sync.inprocess as inproc
+    import fp8rl.sync.base as inproc
 
     orig = inproc.quantize_weight
 

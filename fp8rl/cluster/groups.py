@@ -213,10 +213,6 @@ class TrainerGroup:
         scales, seconds = self._lead("kv_scales", lambda a: a.kv_scales.remote(batch))
         return scales, float(seconds)
 
-    def sync_layout(self) -> Any:
-        """What the collective weight sync's broadcast carries (``fp8rl.sync.SyncLayout``), agreed once."""
-        return self._lead("sync_layout", lambda a: a.sync_layout.remote())
-
     def save_policy(self, output_dir: str, model_dir: str) -> None:
         self._lead("save_policy", lambda a: a.save_policy.remote(output_dir, model_dir))
 
