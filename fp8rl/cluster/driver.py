@@ -168,6 +168,13 @@ def ensure_ray(rc: RayConfig, num_actors: int) -> bool:
     return True
 
 
+def stop_ray() -> None:
+    """Shut down the Ray this process started (``ensure_ray`` returned True)."""
+    import ray
+
+    ray.shutdown()
+
+
 def run_rl_on_ray(
     cfg: RunConfig,
     model_dir: str | Path,
@@ -206,6 +213,4 @@ def run_rl_on_ray(
                 parts.shutdown()
     finally:
         if started:
-            import ray
-
-            ray.shutdown()
+            stop_ray()
