@@ -43,7 +43,7 @@ from gpu_te_speed import decoder_stack, opts
 
 from fp8rl.bench.timing import copy_bandwidth_gbs, time_ms
 from fp8rl.quant import QuantSpec
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.step_profile import category, device_ms_by_category
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 

@@ -40,7 +40,7 @@ from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import transport
 from fp8rl.sync.base import Receiver, Sender
-from fp8rl.train.policy_terms import PolicyStep
+from fp8rl.train.old_logprobs import PolicyStep
 from fp8rl.train.trainer import SequenceBatch
 
 # gloo/NCCL collectives give up after this long rather than hang on a dead peer

@@ -13,7 +13,7 @@ from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantiz
 from fp8rl.rollout import FP8InferenceLinear, SamplingParams, TorchRolloutEngine, filter_logits
 from fp8rl.sync import InProcessSync, SyncVerificationError, verify_engine_weights
 from fp8rl.train.fp8_linear import FP8TrainLinear
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 76, 9, 84], [5, 5, 76, 5, 5, 84]]
