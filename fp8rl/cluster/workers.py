@@ -36,6 +36,7 @@ import torch.distributed as dist
 from fp8rl.build import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
 from fp8rl.config import parse_run_config
+from fp8rl.config.run import SyncTransport
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
 from fp8rl.sync import transport
@@ -158,10 +159,10 @@ class TrainerWorker(_PeakMemory):
             return weights if answers else None
         return self.trainer.hf_state_dict() if answers else None
 
-    def init_sender(self, sync: str, fp8_names: list[str], verify: bool, options: dict[str, Any]) -> Any:
+    def init_sender(self, sync: SyncTransport, fp8_names: list[str], verify: bool, options: dict[str, Any]) -> Any:
         """Build the sender of the transport ``sync`` (``fp8rl.sync.transport``); returns what it answers (the
         collective one: the payload's layout, from rank 0)."""
-        built = transport(sync).sender(  # type: ignore[arg-type]
+        built = transport(sync).sender(
             fp8_names, rollout_quant_spec(self.cfg), self.trainer.device, verify, self._full_weights, **options
         )
         self.sender, answer = built
@@ -266,9 +267,9 @@ class RolloutWorker(_PeakMemory):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
         return self.engine.generate(prompt_ids, sampling)
 
-    def init_receiver(self, sync: str, verify: bool, options: dict[str, Any]) -> None:
+    def init_receiver(self, sync: SyncTransport, verify: bool, options: dict[str, Any]) -> None:
         """Build the receiver of the transport ``sync`` (``fp8rl.sync.transport``) around this engine."""
-        self.receiver: Receiver = transport(sync).receiver(self.engine, verify, **options)  # type: ignore[arg-type]
+        self.receiver: Receiver = transport(sync).receiver(self.engine, verify, **options)
 
     def receive_weights(self, message: Any, version: int) -> Any:
         """Load one push into the engine in place as policy ``version``; what the transport's receiver returns."""

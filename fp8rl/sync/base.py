@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_weight
 from fp8rl.quant.quantize import check_scales_finite
 from fp8rl.rollout.base import RolloutEngine
+
+if TYPE_CHECKING:
+    from fp8rl.config.run import SyncTransport
 
 Payload = dict[str, torch.Tensor | QuantizedTensor]
 
@@ -103,7 +106,7 @@ class ActorSync:
     sleep again unless told to stay awake until the next generation).  The actors' generic calls delegate to the
     transport's sender and receiver (``fp8rl.cluster.workers``)."""
 
-    transport: ClassVar[str]  # the ray.sync value: the module the actors build their sender and receiver from
+    transport: ClassVar[SyncTransport]  # the ray.sync value: the module the actors build their sender and receiver from
     engine: Engines
     trainer: Trainers
     fp8_names: list[str]

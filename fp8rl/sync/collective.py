@@ -38,6 +38,7 @@ from fp8rl.sync.buckets import SyncLayout, layout_of
 
 if TYPE_CHECKING:
     from fp8rl.config import RayConfig
+    from fp8rl.config.run import SyncTransport
 
 # the sync group's gloo/NCCL collectives give up after this long rather than hang on a dead peer
 SYNC_TIMEOUT_S = 300
@@ -160,7 +161,7 @@ def receiver(engine: LocalEngine, verify: bool, init_method: str, rank: int, wor
 class CollectiveSync(ActorSync):
     """The driver's push: rank 0 broadcasts while every rollout worker receives."""
 
-    transport: ClassVar[str] = "collective"
+    transport: ClassVar[SyncTransport] = "collective"
     layout: Any = None  # SyncLayout: what the broadcast carries, agreed once (connect)
 
     def connect(self, rc: RayConfig) -> Any:

@@ -45,6 +45,7 @@ from fp8rl.sync.buckets import Bucket, SyncLayout, layout_of, pack_bucket, plan_
 
 if TYPE_CHECKING:
     from fp8rl.config import RayConfig
+    from fp8rl.config.run import SyncTransport
 
 # torch's rebuild arguments of a CUDA tensor (torch.multiprocessing.reductions.reduce_tensor): the
 # storage's device index sits at this position; checked against the sender's index before it is replaced
@@ -197,7 +198,7 @@ def receiver(engine: RolloutEngine, verify: bool) -> IpcReceiver:
 class IpcSync(ActorSync):
     """The driver's push: rollout worker i loads from trainer rank i's shared buffer; then the buffers are freed."""
 
-    transport: ClassVar[str] = "ipc"
+    transport: ClassVar[SyncTransport] = "ipc"
 
     def push(self, version: int) -> SyncStats:
         engine, trainer = self.engine, self.trainer

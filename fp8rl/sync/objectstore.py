@@ -34,6 +34,7 @@ from fp8rl.sync.base import (
 
 if TYPE_CHECKING:
     from fp8rl.config import RayConfig
+    from fp8rl.config.run import SyncTransport
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def receiver(engine: RolloutEngine, verify: bool) -> ObjectStoreReceiver:
 class ObjectStoreSync(ActorSync):
     """The driver's push: rank 0's payload by reference into every rollout worker."""
 
-    transport: ClassVar[str] = "objectstore"
+    transport: ClassVar[SyncTransport] = "objectstore"
 
     def push(self, version: int) -> SyncStats:
         t0 = time.perf_counter()
