@@ -17,11 +17,11 @@ def evaluate(
     metrics: Output[Metrics],
     device: str = "auto",
 ) -> None:
-    """Greedy and sampled held-out accuracy and response statistics (``fp8rl.bench.checkpoint_eval``), logged to the
+    """Greedy and sampled held-out accuracy and response statistics (``fp8rl.evaluation.checkpoint``), logged to the
     recipe's MLflow run ``run_id`` as ``evaluate/*`` (with the system metrics of the evaluation) and to ``metrics``."""
     from components.runtime import log_kfp_metrics, read_run_ref, recipe_run, runs_fail_with_the_step
     from components.runtime import run_config as make_config
-    from fp8rl.bench.checkpoint_eval import evaluate_checkpoint
+    from fp8rl.evaluation.checkpoint import evaluate_checkpoint
 
     ref = read_run_ref(mlflow_run)
     cfg = make_config(recipe, 1, seed, run_config, ref)

@@ -43,7 +43,7 @@ from gpu_te_speed import decoder_stack, opts
 
 from fp8rl.bench.timing import copy_bandwidth_gbs, time_ms
 from fp8rl.quant import QuantSpec
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.step_profile import category, device_ms_by_category
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer
 
@@ -386,7 +386,7 @@ def section_requant(a: argparse.Namespace) -> dict[str, Any]:
     out["requant_and_pack_ms"] = time_ms(requant_and_pack, warmup=1, reps=5)
     out["requant_gb_per_s"] = req_bytes / out["requant_ms"] / 1e6
     out["requant_fraction_of_copy"] = out["requant_gb_per_s"] / copy
-    import fp8rl.sync.inprocess as inproc
+    import fp8rl.sync.base as inproc
 
     orig = inproc.quantize_weight
 

@@ -185,7 +185,7 @@ def section_reload(model_dir: Path, n_reloads: int = 5) -> dict[str, Any]:
     from fp8rl.config import load_recipe
     from fp8rl.models.loading import load_causal_lm, load_tokenizer
     from fp8rl.rollout import SamplingParams
-    from fp8rl.sync import InProcessWeightSync
+    from fp8rl.sync import InProcessSync
 
     ps, greedy = prompts(model_dir, 32), SamplingParams(temperature=0.0, max_tokens=24)
     recipe = load_recipe("fp8-rollout")
@@ -193,10 +193,11 @@ def section_reload(model_dir: Path, n_reloads: int = 5) -> dict[str, Any]:
     syncs = []
     try:
         before = e.generate(ps, greedy)  # fills the prefix cache with blocks of the old weights
-        sync = InProcessWeightSync(e, {m + ".weight" for m in e.fp8_modules}, e.spec, verify=True)
+        weights: dict[str, torch.Tensor] = {}
+        sync = InProcessSync(e, lambda: weights, {m + ".weight" for m in e.fp8_modules}, e.spec, verify=True)
         for step in range(1, n_reloads + 1):
             weights = perturbed(model_dir, step)
-            stats = sync.push(weights, step)  # raises SyncVerificationError unless bit-exact
+            stats = sync.push(step)  # raises SyncVerificationError unless bit-exact
             syncs.append({"requantize_s": stats.requantize_seconds, "load_s": stats.load_seconds})
             reloaded = e.generate(ps, greedy)
         changed = compare(before, reloaded)["agreement"] < 1.0

@@ -25,7 +25,7 @@ from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant import QuantSpec
 from fp8rl.rollout.base import LocalEngine
 from fp8rl.rollout.torch_engine import TorchRolloutEngine
-from fp8rl.sync import InProcessWeightSync, SyncStats
+from fp8rl.sync import InProcessSync, SyncStats
 from fp8rl.tasks import ArithmeticTask, Example, load_examples
 from fp8rl.tasks.prompts import PromptFormat
 from fp8rl.tasks.rewards import ExactMatch, PythonReward, Reward, load_reward_function
@@ -50,12 +50,12 @@ class LocalParts:
     tok: PreTrainedTokenizerBase
     engine: LocalEngine
     trainer: TorchTrainer
-    sync: InProcessWeightSync
+    sync: InProcessSync
     bf16_bytes: int
     fp8_linears: dict[str, int] = field(default_factory=dict)  # fp8rl.fp8_coverage.fp8_linear_counts
 
     def push_weights(self, version: int) -> SyncStats:
-        return self.sync.push(self.trainer.hf_state_dict(), version=version)
+        return self.sync.push(version)
 
     def save_policy(self, output_dir: str | Path) -> None:
         self.trainer.save_checkpoint(output_dir, self.tok)
@@ -114,7 +114,7 @@ def build_parts(cfg: RunConfig, model_dir: str | Path, device: str) -> LocalPart
     trainer = build_trainer(cfg, model_dir, device)
     names = {m + ".weight" for m in engine.fp8_modules}
     fp8 = fp8_linear_counts(cfg.recipe, len(engine.fp8_modules), len(trainer.fp8_modules))
-    sync = InProcessWeightSync(engine, names, rollout_quant_spec(cfg), verify=cfg.verify_sync)
+    sync = InProcessSync(engine, trainer.hf_state_dict, names, rollout_quant_spec(cfg), verify=cfg.verify_sync)
     bf16_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
     return LocalParts(load_tokenizer(model_dir), engine, trainer, sync, bf16_bytes, fp8)
 

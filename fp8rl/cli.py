@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_import_parsers(sub)
     _add_diagnose_parser(sub)
     _add_bench_parsers(sub)
-    from fp8rl.accuracy_cli import add_accuracy_parser
+    from fp8rl.accuracy.cli import add_accuracy_parser
 
     add_accuracy_parser(sub)
 

@@ -7,7 +7,7 @@ One step, for every recipe:
 3. The trainer computes the logprobs under TRAINING numerics; mismatch metrics compare
    the two, and the recipe's correction (TIS/MIS) weights or masks tokens.
 4. One PPO-clip/GRPO optimizer step (fp32 masters).  3 happens inside 4's forwards, micro-batch
-   by micro-batch (``grpo.old_logprobs: train_forward``, ``fp8rl.train.policy_terms``), or in a
+   by micro-batch (``grpo.old_logprobs: train_forward``, ``fp8rl.train.old_logprobs``), or in a
    forward of its own before it (``recompute``).
 5. The trainer's weights are requantized with the ROLLOUT recipe and loaded into the
    engine in place with the new policy version (verified bit for bit when asked).
@@ -48,7 +48,7 @@ from fp8rl.run_state import (
 from fp8rl.sync import SyncStats
 from fp8rl.tasks import Example
 from fp8rl.tracking import MetricsSink
-from fp8rl.train.policy_terms import CORRECTION, MISMATCH, PolicyStep, RecomputedOld, TrainForwardOld, ess_metric
+from fp8rl.train.old_logprobs import CORRECTION, MISMATCH, PolicyStep, RecomputedOld, TrainForwardOld, ess_metric
 from fp8rl.train.trainer import SequenceBatch, build_batch
 
 
@@ -108,7 +108,7 @@ class PolicyTrainer(Protocol):
     def compute_logprobs(self, batch: SequenceBatch, temperature: float) -> torch.Tensor: ...
 
     def policy_step(self, step: PolicyStep) -> dict[str, float]:
-        """One optimizer step over ``step.batch`` (``fp8rl.train.policy_terms.PolicyStep``)."""
+        """One optimizer step over ``step.batch`` (``fp8rl.train.old_logprobs.PolicyStep``)."""
         ...
 
     def profile_next_policy_step(self) -> None:
@@ -222,7 +222,7 @@ def _policy_update(
         weights, loss_mask, corr = mismatch_correction(old_lp, rollout.logprobs, mask, cfg.recipe.correction)
         old: RecomputedOld | TrainForwardOld = RecomputedOld(old_lp, weights, loss_mask)
         train_m = trainer.policy_step(PolicyStep(batch, adv, old, cfg.grpo, temperature))
-    else:  # the old logprobs are the train forward's: no logprob phase (fp8rl.train.policy_terms)
+    else:  # the old logprobs are the train forward's: no logprob phase (fp8rl.train.old_logprobs)
         t2 = t_scored
         old = TrainForwardOld(rollout.logprobs, mask, cfg.recipe.correction)
         train_m = trainer.policy_step(PolicyStep(batch, adv, old, cfg.grpo, temperature))

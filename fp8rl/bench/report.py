@@ -9,7 +9,7 @@ logged to that run:
 | evaluated accuracy, sampled | ``evaluate/accuracy``, ``evaluate/sampled_accuracy`` (evaluation of the trained checkpoint) |
 | token_mult_prob_error | ``summary/mean_token_mult_prob_error`` (run mean of the per-step value) |
 | step, generate, train s; rollout / train tok/s, sync | ``bench/*`` (``fp8rl.bench.throughput``: medians of the timed steps) |
-| vs bf16 accuracy | each FP8 recipe's mean ``summary/final_accuracy`` over its runs against the bf16 runs': "at parity" or "N points under BF16 (outside the seeds' spread)" (``fp8rl.accuracy_report.parity_verdict``) |
+| vs bf16 accuracy | each FP8 recipe's mean ``summary/final_accuracy`` over its runs against the bf16 runs': "at parity" or "N points under BF16 (outside the seeds' spread)" (``fp8rl.accuracy.report.parity_verdict``) |
 
 A missing metric shows as ``n/a`` (e.g. a benchmark-only run has no accuracy). The report is
 Markdown (the table) and a self-contained HTML page (the table and the plots of reward,
@@ -92,7 +92,7 @@ def _cell(run: RunSummary, metric: str, fmt: str) -> str:
 def accuracy_verdicts(runs: Sequence[RunSummary]) -> dict[str, str]:
     """Each non-bf16 recipe's final accuracy (mean over its runs) against the bf16 runs' (``parity_verdict``); no
     verdicts without bf16 runs or final accuracies."""
-    from fp8rl.accuracy_report import BF16, parity_verdict
+    from fp8rl.accuracy.report import BF16, parity_verdict
 
     finals: dict[str, list[float]] = {}
     for r in runs:

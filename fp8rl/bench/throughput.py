@@ -340,9 +340,9 @@ def _profiled_step(
 def _stop_ray(started: bool) -> None:
     """Shut down the local Ray this benchmark started (one it connected to stays up)."""
     if started:
-        import ray
+        from fp8rl.cluster.driver import stop_ray
 
-        ray.shutdown()
+        stop_ray()
 
 
 def _close(parts: Any) -> None:

@@ -34,7 +34,6 @@ from transformers import PreTrainedTokenizerBase
 from fp8rl.cluster.groups import ActorCalls, RolloutGroup, TrainerGroup, WorkerDied
 from fp8rl.cluster.memory import merge_peaks
 from fp8rl.cluster.placement import bundles, names_of, place, start_actors
-from fp8rl.cluster.transports import transport_for
 from fp8rl.config import RayConfig, RunConfig, kv_scales_calibrated
 from fp8rl.errors import UserError
 from fp8rl.fp8_coverage import fp8_linear_counts
@@ -42,15 +41,15 @@ from fp8rl.loop import RLResult, run_rl
 from fp8rl.models.loading import load_tokenizer
 from fp8rl.quant.launch_config import LAUNCH_ENV
 from fp8rl.rollout.kv_calibration import kv_scale_metrics
-from fp8rl.sync import PolicySync, SyncStats
+from fp8rl.sync import PolicySync, SyncStats, transport
 from fp8rl.tracking import MetricsSink
 from fp8rl.train.trainer import SequenceBatch
 
 
 @dataclass
 class RayParts:
-    """``fp8rl.loop.Parts`` on Ray actors; the weight sync is the transport ``ray.sync`` names
-    (``fp8rl.cluster.transports``)."""
+    """``fp8rl.loop.Parts`` on Ray actors; the weight sync is the driver's push of the transport ``ray.sync`` names
+    (``fp8rl.sync.transport``)."""
 
     tok: PreTrainedTokenizerBase
     bf16_bytes: int
@@ -141,7 +140,7 @@ def create_ray_parts(cfg: RunConfig, model_dir: str | Path, log: Callable[[str],
     after_sync = engine.sleep if rc.sleep_after_sync else (lambda: None)
     return RayParts(
         load_tokenizer(model_dir), bf16_bytes, engine, trainer, str(model_dir), where.group,
-        transport_for(rc, engine, trainer, fp8_names, cfg.verify_sync, after_sync),
+        transport(rc.sync).policy_sync(rc, engine, trainer, fp8_names, cfg.verify_sync, after_sync),
         calibrate_kv_scales=kv_scales_calibrated(cfg.recipe, cfg.rollout), sleep_after_sync=rc.sleep_after_sync,
         fp8_linears=fp8_linears,
     )  # fmt: skip
@@ -167,6 +166,13 @@ def ensure_ray(rc: RayConfig, num_actors: int) -> bool:
         log_to_driver=True,
     )
     return True
+
+
+def stop_ray() -> None:
+    """Shut down the Ray this process started (``ensure_ray`` returned True)."""
+    import ray
+
+    ray.shutdown()
 
 
 def run_rl_on_ray(
@@ -207,6 +213,4 @@ def run_rl_on_ray(
                 parts.shutdown()
     finally:
         if started:
-            import ray
-
-            ray.shutdown()
+            stop_ray()

@@ -12,7 +12,7 @@ import torch
 
 from fp8rl.errors import UserError
 from fp8rl.rollout.base import Rollout, SamplingParams
-from fp8rl.train.policy_terms import MAXIMA, PolicyStep
+from fp8rl.train.old_logprobs import MAXIMA, PolicyStep
 from fp8rl.train.step_profile import METRIC_PREFIX as TRAIN_MS
 from fp8rl.train.trainer import SequenceBatch
 
@@ -213,10 +213,6 @@ class TrainerGroup:
         scales, seconds = self._lead("kv_scales", lambda a: a.kv_scales.remote(batch))
         return scales, float(seconds)
 
-    def sync_layout(self) -> Any:
-        """What the collective weight sync's broadcast carries (``fp8rl.sync.SyncLayout``), agreed once."""
-        return self._lead("sync_layout", lambda a: a.sync_layout.remote())
-
     def save_policy(self, output_dir: str, model_dir: str) -> None:
         self._lead("save_policy", lambda a: a.save_policy.remote(output_dir, model_dir))
 
@@ -234,7 +230,7 @@ class TrainerGroup:
     def policy_step(self, step: PolicyStep) -> dict[str, float]:
         """Each rank steps on its rows with the whole batch's totals; the ranks' metrics are their shares of the
         batch's (``combine_rank_metrics``), the maxima among them (a train-forward step's mismatch and correction
-        maxima, ``fp8rl.train.policy_terms``) the largest."""
+        maxima, ``fp8rl.train.old_logprobs``) the largest."""
         # every rank takes part in the gradient all-reduce, so every rank gets rows
         chunks = _row_chunks(step.batch.input_ids.shape[0], len(self.actors))
         if len(chunks) < len(self.actors):

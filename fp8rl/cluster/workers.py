@@ -16,22 +16,18 @@ reduce-scatters the same summed gradient; whatever needs the full weights (the r
 payload, the collective push, the trainer state, the saved policy) is then a collective that
 every rank joins and rank 0 answers (the others return None).
 
-Weight sync.  Rank 0 requantizes its weights with the ROLLOUT recipe once and returns the
-payload (FP8 + scales for the quantized linears), which the driver passes by reference
-through the Ray object store to every rollout worker; each loads it in place and can
-verify it holds exactly that payload.  With ``RayConfig.sync`` "collective", rank 0 and the
-rollout workers form a process group of their own instead, and rank 0 broadcasts the payload
-in buckets straight into the engines (``fp8rl.sync.nccl``).  With "ipc" (colocated, GPUs),
-trainer rank i packs its requantized payload into one device buffer and rollout worker i, on the
-same GPU, maps that buffer through a CUDA IPC handle and loads from it (``fp8rl.sync.ipc``): no
-host copy and no collective.
+Weight sync.  The actors' calls are the same for every ``ray.sync`` transport and delegate to it: the driver has
+every trainer rank build the transport's sender (``init_sender``) and every rollout worker its receiver
+(``init_receiver``); each push is ``send_weights`` on the trainer ranks that send, ``receive_weights`` on the
+rollout workers with what the senders returned (or the agreed layout), and ``sync_done`` where the sender holds
+memory for the receivers.  The transports, their senders and receivers and the driver's push are ``fp8rl.sync``'s
+``objectstore``, ``collective`` and ``ipc`` modules.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any, Literal
 
 import torch
@@ -40,15 +36,12 @@ import torch.distributed as dist
 from fp8rl.build import build_engine, build_trainer, rollout_quant_spec
 from fp8rl.cluster.memory import PeakMemorySampler, gpu_key, gpu_sampler
 from fp8rl.config import parse_run_config
+from fp8rl.config.run import SyncTransport
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.rollout.kv_calibration import KVScales
-from fp8rl.sync import payload_bytes, requantize_for_rollout, verify_engine_weights
-from fp8rl.sync.buckets import SyncLayout
-from fp8rl.sync.inprocess import Payload
-from fp8rl.sync.ipc import SharedPayload, open_payload, release, share_payload
-from fp8rl.sync.nccl import NcclWeightSync, SyncGroup, new_sync_group, receive_into
-from fp8rl.sync.wire import WirePayload, from_wire, to_wire
-from fp8rl.train.policy_terms import PolicyStep
+from fp8rl.sync import transport
+from fp8rl.sync.base import Receiver, Sender
+from fp8rl.train.old_logprobs import PolicyStep
 from fp8rl.train.trainer import SequenceBatch
 
 # gloo/NCCL collectives give up after this long rather than hang on a dead peer
@@ -69,13 +62,6 @@ def node_address() -> tuple[str, int]:
 
 def _backend(device: torch.device) -> Literal["nccl", "gloo"]:
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def _join_sync_group(init_method: str, rank: int, world_size: int, device: torch.device) -> SyncGroup:
-    """The weight-sync process group (trainer rank 0 sends, rollout workers receive), beside the data-parallel one."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)  # NCCL ranks need their device set before the first push
-    return new_sync_group(init_method, rank, world_size, _backend(device), COLLECTIVE_TIMEOUT_S)
 
 
 def _set_threads(num_threads: int) -> None:
@@ -132,7 +118,7 @@ class TrainerWorker(_PeakMemory):
         self.trainer = build_trainer(self.cfg, model_dir, device)
         self.sharded = self.trainer.sharded
         self.colocated = self.cfg.ray is not None and self.cfg.ray.layout == "colocated"
-        self._shared_buffer: torch.Tensor | None = None  # what share_rollout_payload handed out (CUDA IPC)
+        self.sender: Sender | None = None  # the weight sync's (init_sender)
         if world_size > 1 and not self.sharded:
             self.trainer.optimizer.grad_reducer = self._sum_across_ranks
 
@@ -173,65 +159,28 @@ class TrainerWorker(_PeakMemory):
             return weights if answers else None
         return self.trainer.hf_state_dict() if answers else None
 
-    def rollout_payload(self, fp8_names: list[str]) -> WirePayload | None:
-        """The weights requantized with the rollout recipe, from rank 0 (replicated, every rank holds the same)."""
-        weights = self._full_weights()
-        if weights is None:
-            return None
-        return to_wire(self._requantized(weights, fp8_names))
+    def init_sender(self, sync: SyncTransport, fp8_names: list[str], verify: bool, options: dict[str, Any]) -> Any:
+        """Build the sender of the transport ``sync`` (``fp8rl.sync.transport``); returns what it answers (the
+        collective one: the payload's layout, from rank 0)."""
+        built = transport(sync).sender(
+            fp8_names, rollout_quant_spec(self.cfg), self.trainer.device, verify, self._full_weights, **options
+        )
+        self.sender, answer = built
+        return answer
 
-    def _requantized(self, weights: dict[str, torch.Tensor], fp8_names: list[str]) -> Payload:
-        """``weights`` requantized with the rollout recipe: what every sync transport sends."""
-        return requantize_for_rollout(weights, set(fp8_names), rollout_quant_spec(self.cfg))
+    def send_weights(self, version: int) -> Any:
+        """This rank's part of a push: what the transport's sender returns (None on a rank that does not answer)."""
+        assert self.sender is not None, "init_sender first"
+        return self.sender.send(self._full_weights, version)
 
-    def share_rollout_payload(self, fp8_names: list[str]) -> tuple[SharedPayload, float] | None:
-        """CUDA IPC sync: the requantized payload packed into one device buffer this rank keeps until
-        ``release_shared``; (its handle, seconds to requantize and pack).  Replicated, every rank answers
-        with its own (identical) weights, for the rollout worker on its GPU; sharded, every rank joins the
-        gather and the ranks with a rollout worker on their GPU (0 .. rollout_workers-1) answer."""
-        self.release_shared()
-        t0 = time.perf_counter()
-        # rank i answers when rollout worker i is on its GPU (the driver calls only those ranks when replicated)
-        weights = self._full_weights(self.cfg.ray.rollout_workers if self.cfg.ray is not None else 1)
-        if weights is None:
-            return None
-        payload = self._requantized(weights, fp8_names)
-        shared, buffer = share_payload(payload)
-        del payload, weights
-        torch.cuda.synchronize(buffer.device)  # the seconds returned include the pack
-        self._shared_buffer = buffer
-        self._hand_back_cached_memory()
-        return shared, time.perf_counter() - t0
-
-    def release_shared(self) -> None:
-        """Drop the buffer the last ``share_rollout_payload`` shared (its receivers are done with it)."""
-        self._shared_buffer = None
-        release()
-
-    def init_sync_group(self, init_method: str, world_size: int, fp8_names: list[str], bucket_mb: int) -> None:
-        """Join the sync group as its rank 0 (the sender), beside the data-parallel group."""
-        device = self.trainer.device
-        group = _join_sync_group(init_method, 0, world_size, device)
-        self.collective = NcclWeightSync(
-            set(fp8_names), rollout_quant_spec(self.cfg), device=device, group=group, src=0, bucket_bytes=bucket_mb << 20,
-            verify=self.cfg.verify_sync,
-        )  # fmt: skip
+    def sync_done(self) -> None:
+        """The receivers have loaded the push."""
+        assert self.sender is not None, "init_sender first"
+        self.sender.done()
 
     def free_address(self) -> tuple[str, int]:
-        """The rendezvous of the sync group this rank will lead."""
+        """The rendezvous of a process group this rank will lead (the collective weight sync's)."""
         return node_address()
-
-    def sync_layout(self) -> SyncLayout | None:
-        weights = self._full_weights()
-        return None if weights is None else self.collective.layout(weights)
-
-    def push_weights(self, version: int) -> tuple[int, float, float] | None:
-        """Broadcast the requantized weights (rank 0); (bytes, requantize s, transfer s)."""
-        weights = self._full_weights()
-        if weights is None:
-            return None
-        stats = self.collective.push(weights, version)
-        return stats.bytes_sent, stats.requantize_seconds, stats.load_seconds
 
     def kv_scales(self, batch: SequenceBatch) -> tuple[dict[int, KVScales], float] | None:
         """FP8 KV-cache scales of this policy over ``batch`` and the seconds they took, from rank 0 (sharded,
@@ -318,36 +267,13 @@ class RolloutWorker(_PeakMemory):
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> Rollout:
         return self.engine.generate(prompt_ids, sampling)
 
-    def load_weights(self, wire: WirePayload, version: int, verify: bool) -> int:
-        """Load the payload in place as policy ``version``; returns the bytes received."""
-        payload = from_wire(wire)
-        self.engine.load_weights(payload, version)
-        if verify:
-            verify_engine_weights(self.engine, payload, version)
-        return payload_bytes(payload)
+    def init_receiver(self, sync: SyncTransport, verify: bool, options: dict[str, Any]) -> None:
+        """Build the receiver of the transport ``sync`` (``fp8rl.sync.transport``) around this engine."""
+        self.receiver: Receiver = transport(sync).receiver(self.engine, verify, **options)
 
-    def load_shared(self, shared: SharedPayload, version: int, verify: bool) -> tuple[int, float]:
-        """CUDA IPC sync: load from the trainer's shared buffer in place, then unmap it; (bytes, seconds)."""
-        t0 = time.perf_counter()
-        payload, buffer = open_payload(shared)
-        try:
-            self.engine.load_weights(payload, version)
-            if verify:
-                verify_engine_weights(self.engine, payload, version)
-            nbytes = payload_bytes(payload)
-            torch.cuda.synchronize(buffer.device)  # every copy out of the sender's memory has finished
-        finally:
-            del payload, buffer
-        return nbytes, time.perf_counter() - t0
-
-    def init_sync_group(self, init_method: str, rank: int, world_size: int) -> None:
-        """Join the sync group as a receiver (rank >= 1)."""
-        self.sync_group = _join_sync_group(init_method, rank, world_size, self.engine.device)
-
-    def receive_weights(self, layout: SyncLayout, version: int) -> int:
-        """Receive one broadcast push into the engine in place; the sender decides whether to verify."""
-        stats = receive_into(self.engine, layout, version, device=self.engine.device, group=self.sync_group, src=0)
-        return stats.bytes_sent
+    def receive_weights(self, message: Any, version: int) -> Any:
+        """Load one push into the engine in place as policy ``version``; what the transport's receiver returns."""
+        return self.receiver.receive(message, version)
 
     def set_kv_scales(self, scales: dict[int, KVScales]) -> None:
         """The FP8 KV-cache scales the trainer calibrated (vLLM engine with ``kv_cache: fp8``)."""

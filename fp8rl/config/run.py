@@ -13,6 +13,9 @@ from fp8rl.config.rollout import RolloutConfig, rollout_recipe
 from fp8rl.config.task import ArithmeticTaskConfig, ExactMatchRewardConfig, RewardConfig, TaskConfig
 from fp8rl.config.training import GRPOConfig, OptimConfig, SamplingConfig
 
+# the Ray weight-sync transports: one module each in fp8rl.sync (fp8rl.sync.transport)
+SyncTransport = Literal["objectstore", "collective", "ipc"]
+
 
 class RayConfig(Strict):
     """The RL step on Ray (``fp8rl.cluster``): workers, layout, where Ray is, and the fault limits."""
@@ -32,10 +35,10 @@ class RayConfig(Strict):
     max_restarts: int = Field(2, ge=0)
     object_store_mb: int = Field(512, ge=64)
     # weight sync trainer rank 0 -> rollout workers: through the Ray object store, a bucketed broadcast
-    # over a process group of its own (NCCL on GPUs, gloo on CPUs; fp8rl.sync.nccl), or CUDA IPC
+    # over a process group of its own (NCCL on GPUs, gloo on CPUs; fp8rl.sync.collective), or CUDA IPC
     # (colocated on GPUs: rollout worker i maps trainer rank i's packed payload on their GPU; fp8rl.sync.ipc;
     # sharded, every rank gathers and ranks 0 .. rollout_workers-1 keep the full weights for their engine)
-    sync: Literal["objectstore", "collective", "ipc"] = "objectstore"
+    sync: SyncTransport = "objectstore"
     sync_bucket_mb: int = Field(256, ge=1)
     # colocated: after loading new weights (and recalibrating an FP8 KV cache) the engines go back to sleep until the
     # next generation; false keeps them awake from the load to that generation: one sleep and one wake-up fewer a step

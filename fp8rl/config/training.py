@@ -37,7 +37,7 @@ class GRPOConfig(Strict):
                optimizer step consumes the whole rollout batch (one PPO iteration, one mini-batch), so
                the policy before the update is the behaviour policy and the ratio is 1 (TRL skips the
                recompute when num_iterations == 1).  "recompute": a separate no-grad forward over the
-               batch before the step (the same update; one forward more).  ``fp8rl.train.policy_terms``.
+               batch before the step (the same update; one forward more).  ``fp8rl.train.old_logprobs``.
     """
 
     group_size: int = Field(8, ge=2)

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from fp8rl.quant import QuantizedTensor, get_format
-from fp8rl.sync.inprocess import Payload, SyncVerificationError
+from fp8rl.sync.base import Payload, SyncVerificationError
 
 ALIGN = 16
 _CHUNK = 1 << 24  # checksum bytes in 16 MiB pieces (int32 temporaries of 64 MiB)

@@ -1,4 +1,4 @@
-"""Weight sync between two processes on one GPU through CUDA IPC: no host copy, no collective.
+"""``ray.sync: ipc``: weight sync between two processes on one GPU through CUDA IPC: no host copy, no collective.
 
 In the colocated layout a trainer rank and a rollout worker share a GPU.  The object-store path
 copies the requantized policy to host memory, through Ray's shared memory and back; a collective
@@ -12,19 +12,40 @@ Device identity: the handle names the sender's device index under its ``CUDA_VIS
 the receiver finds the device with the same UUID among its own (Ray may number them differently)
 and refuses when it has none: IPC only works within one GPU's memory.  The sender keeps the buffer
 until ``release`` (torch also keeps a shared block alive while a receiver still maps it).
+
+Trainer rank i sends for rollout worker i (replicated, each rank its own identical weights; sharded, every rank joins
+the gather and ranks 0 .. rollout_workers-1 keep the full weights): ``IpcSender``, ``IpcReceiver`` and the driver's
+``IpcSync``.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from fp8rl.quant import QuantizedTensor
+from fp8rl.quant import QuantizedTensor, QuantSpec
+from fp8rl.rollout.base import RolloutEngine
+from fp8rl.sync.base import (
+    ActorSync,
+    Engines,
+    FullWeights,
+    Payload,
+    SyncStats,
+    Trainers,
+    payload_bytes,
+    requantize_for_rollout,
+    verify_engine_weights,
+)
 from fp8rl.sync.buckets import Bucket, SyncLayout, layout_of, pack_bucket, plan_buckets, unpack_bucket
-from fp8rl.sync.inprocess import Payload
+
+if TYPE_CHECKING:
+    from fp8rl.config import RayConfig
+    from fp8rl.config.run import SyncTransport
 
 # torch's rebuild arguments of a CUDA tensor (torch.multiprocessing.reductions.reduce_tensor): the
 # storage's device index sits at this position; checked against the sender's index before it is replaced
@@ -110,12 +131,120 @@ def release() -> None:
         torch.cuda.ipc_collect()
 
 
+class IpcSender:
+    """Trainer rank: the requantized payload packed into one device buffer this rank keeps until ``done``."""
+
+    def __init__(self, fp8_names: list[str], spec: QuantSpec, answering: int) -> None:
+        self.fp8_names = set(fp8_names)
+        self.spec = spec
+        self.answering = answering  # ranks 0 .. answering-1 have a rollout worker on their GPU
+        self._buffer: torch.Tensor | None = None
+
+    def send(self, full_weights: FullWeights, version: int) -> tuple[SharedPayload, float] | None:
+        """(the buffer's handle, seconds to gather, requantize and pack); None on a rank that does not answer."""
+        self.done()
+        t0 = time.perf_counter()
+        weights = full_weights(self.answering)
+        if weights is None:
+            return None
+        payload = requantize_for_rollout(weights, self.fp8_names, self.spec)
+        shared, buffer = share_payload(payload)
+        del payload, weights
+        torch.cuda.synchronize(buffer.device)  # the seconds returned include the pack
+        self._buffer = buffer
+        # colocated: the engine wakes up next; the blocks the caching allocator holds but no tensor uses
+        # (activations, gathered weights) go back to the driver so vLLM can take them
+        torch.cuda.empty_cache()
+        return shared, time.perf_counter() - t0
+
+    def done(self) -> None:
+        """Drop the buffer the last ``send`` shared (its receivers are done with it)."""
+        self._buffer = None
+        release()
+
+
+def sender(
+    fp8_names: list[str], spec: QuantSpec, device: torch.device, verify: bool, full_weights: FullWeights,
+    answering: int = 1,
+) -> tuple[IpcSender, None]:  # fmt: skip
+    return IpcSender(fp8_names, spec, answering), None
+
+
+class IpcReceiver:
+    """Rollout worker: load from the trainer's shared buffer in place, then unmap it; (bytes, seconds)."""
+
+    def __init__(self, engine: RolloutEngine, verify: bool) -> None:
+        self.engine = engine
+        self.verify = verify
+
+    def receive(self, message: SharedPayload, version: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        payload, buffer = open_payload(message)
+        try:
+            self.engine.load_weights(payload, version)
+            if self.verify:
+                verify_engine_weights(self.engine, payload, version)
+            nbytes = payload_bytes(payload)
+            torch.cuda.synchronize(buffer.device)  # every copy out of the sender's memory has finished
+        finally:
+            del payload, buffer
+        return nbytes, time.perf_counter() - t0
+
+
+def receiver(engine: RolloutEngine, verify: bool) -> IpcReceiver:
+    return IpcReceiver(engine, verify)
+
+
+class IpcSync(ActorSync):
+    """The driver's push: rollout worker i loads from trainer rank i's shared buffer; then the buffers are freed."""
+
+    transport: ClassVar[SyncTransport] = "ipc"
+
+    def push(self, version: int) -> SyncStats:
+        engine, trainer = self.engine, self.trainer
+        senders = self._senders(len(engine.actors))
+        names = trainer.names[: len(senders)]
+        shared = trainer.calls.get([a.send_weights.remote(version) for a in senders],
+                                   [f"{n}.send_weights" for n in names])  # fmt: skip
+        try:
+            engine.wake_up()
+            loads = [a.receive_weights.remote(shared[i][0], version) for i, a in enumerate(engine.actors)]
+            loaded = engine.calls.get(loads, [f"{n}.receive_weights" for n in engine.names])
+        finally:
+            trainer.calls.get([a.sync_done.remote() for a in senders], [f"{n}.sync_done" for n in names])
+        self._loaded(version)
+        requant_s = max(s[1] for s in shared if s is not None)
+        return SyncStats(
+            version, int(loaded[0][0]), len(self.fp8_names), requant_s, max(b[1] for b in loaded), self.verify
+        )
+
+
+def policy_sync(
+    rc: RayConfig,
+    engine: Engines,
+    trainer: Trainers,
+    fp8_names: list[str],
+    verify: bool,
+    after_sync: Callable[[], None],
+) -> IpcSync:
+    """The driver's push, every trainer rank's sender (answering for the rollout worker on its GPU) built."""
+    sync = IpcSync(engine, trainer, fp8_names, verify, after_sync)
+    sync.connect_workers([{"answering": rc.rollout_workers}] * len(trainer.actors), [{}] * len(engine.actors))
+    return sync
+
+
 __all__ = [
+    "IpcReceiver",
+    "IpcSender",
+    "IpcSync",
     "IpcUnavailableError",
     "SharedPayload",
     "device_uuid",
     "local_device",
     "open_payload",
+    "policy_sync",
+    "receiver",
     "release",
+    "sender",
     "share_payload",
 ]

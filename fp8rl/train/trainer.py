@@ -41,8 +41,8 @@ from fp8rl.train.fp8_linear import FP8TrainLinear, checkpoint_contexts
 from fp8rl.train.fsdp import FSDPUnits
 from fp8rl.train.graphs import LayerGraphs
 from fp8rl.train.model_inputs import causal_padding_mask, no_mask_sdpa, prepares_masks, to_device, unpadded
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld, TrainForwardOld
 from fp8rl.train.optim import MasterWeightAdamW, ShardedAdamW, lr_lambda
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld, TrainForwardOld
 from fp8rl.train.step_memory import StepMemory
 from fp8rl.train.step_profile import StepProfile, profiled_step
 from fp8rl.train.token_logprobs import token_logprobs
@@ -312,7 +312,7 @@ class TorchTrainer(TrainerWeights):
         are its exact part of the global ones, and the optimizer's ``grad_reducer`` sums the gradients across ranks.
         With ``step.old`` a ``TrainForwardOld`` the old logprobs are this step's own forward's (no
         ``compute_logprobs`` before it): exact because the step consumes the whole batch
-        (``fp8rl.train.policy_terms``); the metrics then add ``mismatch/...`` and ``correction/...`` (this rank's
+        (``fp8rl.train.old_logprobs``); the metrics then add ``mismatch/...`` and ``correction/...`` (this rank's
         share; ``correction/is_weight_sq_mean`` for ``ess_metric``)."""
         source = replace(step.old)  # what the update gathers starts empty, whatever ran before
         return self._policy_update(step.batch, step.advantages, source, step.loss_cfg, step.temperature,
@@ -328,7 +328,7 @@ class TorchTrainer(TrainerWeights):
         totals: tuple[float, float],
     ) -> dict[str, float]:
         """The micro-batches' forwards and backwards, then the optimizer step; ``source`` gives each micro-batch's
-        old logprobs, IS weights, loss mask and weight (``fp8rl.train.policy_terms``)."""
+        old logprobs, IS weights, loss mask and weight (``fp8rl.train.old_logprobs``)."""
         # the metrics are summed on the device and read back once, after the optimizer step: reading a value per
         # micro-batch would make the host wait for that micro-batch's forward or backward, and the GPU then idles
         # while the host prepares and launches the next one (what FP8's shorter GEMMs expose)

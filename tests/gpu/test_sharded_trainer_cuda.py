@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 
 pytestmark = [
     pytest.mark.gpu,

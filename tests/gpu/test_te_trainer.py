@@ -24,7 +24,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 if not te.is_fp8_block_scaling_available():
     pytest.skip("needs FP8 block scaling (compute capability 9.0+, CUDA 12.9+)", allow_module_level=True)
 
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld  # noqa: E402
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld  # noqa: E402
 from fp8rl.train.te_recipes import te_recipe_for  # noqa: E402
 from fp8rl.train.te_trainer import (  # noqa: E402
     TETrainer,

@@ -121,7 +121,7 @@ def test_load_weights_is_bit_exact_including_partial_payloads(
         if scaling == "channel":  # a block payload is refused, not loaded as something else
             with pytest.raises(ValueError, match="the engine serves row FP8 but block FP8 was sent"):
                 e.load_weights(requantize_for_rollout(_perturbed(tiny_models["small"], 3), names, QuantSpec()), 3)
-        # a bucket holding only the k projections of the fused qkv (as fp8rl.sync.nccl may send)
+        # a bucket holding only the k projections of the fused qkv (as fp8rl.sync.broadcast may send)
         payload2 = requantize_for_rollout(_perturbed(tiny_models["small"], 2), names, e.spec)
         part = {n: v for n, v in payload2.items() if ".k_proj." in n}
         e.load_weights(part, version=2)

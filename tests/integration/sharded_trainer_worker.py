@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantSpec
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
 ROWS, PROMPT, RESPONSE, VOCAB = 10, 5, 6, 20

@@ -26,15 +26,10 @@ from fp8rl.models.layers import fp8_module_names
 from fp8rl.quant import QuantizedTensor, QuantSpec
 from fp8rl.rollout import TorchRolloutEngine
 from fp8rl.sync import SyncVerificationError, requantize_for_rollout, verify_engine_weights
+from fp8rl.sync.base import Payload
+from fp8rl.sync.broadcast import SyncTransportError, broadcast_payload, new_sync_group, receive_into
 from fp8rl.sync.buckets import SyncLayout, empty_payload, layout_of, plan_buckets
-from fp8rl.sync.inprocess import Payload
-from fp8rl.sync.nccl import (
-    NcclWeightSync,
-    SyncTransportError,
-    broadcast_payload,
-    new_sync_group,
-    receive_into,
-)
+from fp8rl.sync.collective import CollectiveSender
 
 COLLECTIVE_TIMEOUT_S = 60  # a rank stuck in a collective gives up after this
 SPAWN_TIMEOUT_S = 150  # the test kills its processes after this
@@ -91,7 +86,7 @@ def _spawn(fn: Any, nprocs: int, *args: Any) -> None:
     # a fork server imports torch and transformers once (~8 s on 2 busy cores) and forks every rank of
     # both tests from that clean process: no per-rank imports, and no fork of the threaded pytest process.
     # (It cannot preload this module: Python 3.11's fork server ignores the parent's sys.path.)
-    multiprocessing.set_forkserver_preload(["fp8rl.models", "fp8rl.rollout", "fp8rl.sync.nccl"])
+    multiprocessing.set_forkserver_preload(["fp8rl.models", "fp8rl.rollout", "fp8rl.sync.collective"])
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1.0):  # re-raises a rank's exception, with its traceback
@@ -135,10 +130,10 @@ def _two_ranks(rank: int, port: int, layout: SyncLayout, out_dir: Path) -> None:
         payload = requantize_for_rollout(weights, fp8, SPEC)
         assert broadcast_payload(payload, layout, 0, None, "cpu", SMALL_BUCKET, verify=True) is payload
         res["sender_error"] = _error(broadcast_payload, payload, layout, 0, None, "cpu", SMALL_BUCKET)
-        sync = NcclWeightSync(fp8, SPEC, device="cpu", bucket_bytes=SMALL_BUCKET, verify=True)
-        res["push_error"] = _error(sync.push, weights, 4)
-        res["stats"] = dataclasses.asdict(sync.push(weights, 3))
-        res["clobber_error"] = _error(sync.push, weights, 5, expect=SyncVerificationError)
+        sync = CollectiveSender(fp8, SPEC, device="cpu", bucket_bytes=SMALL_BUCKET, verify=True)
+        res["push_error"] = _error(sync.broadcast, weights, 4)
+        res["stats"] = dataclasses.asdict(sync.broadcast(weights, 3))
+        res["clobber_error"] = _error(sync.broadcast, weights, 5, expect=SyncVerificationError)
         broadcast_payload(payload, layout, 0, None, "cpu", SMALL_BUCKET)
     else:
         res["received"] = _as_bytes(broadcast_payload(None, layout, 0, None, "cpu"))
@@ -186,11 +181,11 @@ def _three_ranks(rank: int, port: int, layout: SyncLayout, out_dir: Path) -> Non
     res: dict[str, Any] = {}
     if rank == 0:
         weights, fp8 = _weights()
-        sync = NcclWeightSync(fp8, SPEC, device="cpu", group=group, bucket_bytes=4 * SMALL_BUCKET, verify=True)
+        sync = CollectiveSender(fp8, SPEC, device="cpu", group=group, bucket_bytes=4 * SMALL_BUCKET, verify=True)
         assert sync.layout(weights) == layout
-        res["v1"] = dataclasses.asdict(sync.push(weights, 1))
-        res["v2_error"] = _error(sync.push, weights, 2)
-        res["v3"] = dataclasses.asdict(sync.push(_weights(seed=2)[0], 3))  # the group survives a failed push
+        res["v1"] = dataclasses.asdict(sync.broadcast(weights, 1))
+        res["v2_error"] = _error(sync.broadcast, weights, 2)
+        res["v3"] = dataclasses.asdict(sync.broadcast(_weights(seed=2)[0], 3))  # the group survives a failed push
     else:
         engine = _engine()
         receive_into(engine, layout, 1, device="cpu", group=group)

@@ -290,11 +290,11 @@ def test_fp8_kv_scales_are_calibrated_by_the_trainer_and_written_into_every_engi
     from fp8rl.cluster.driver import RayParts
     from fp8rl.cluster.groups import ActorCalls as _Calls
     from fp8rl.cluster.groups import RolloutGroup, TrainerGroup
-    from fp8rl.cluster.transports import ObjectStoreSync
     from fp8rl.cluster.workers import TrainerWorker
     from fp8rl.loop import prompt_batch
     from fp8rl.models.loading import load_tokenizer
     from fp8rl.rollout.kv_calibration import kv_scale_metrics, timed_calibration
+    from fp8rl.sync.objectstore import ObjectStoreSync
 
     @ray.remote
     class RecordingEngine:  # stand-in for RolloutWorker around a vLLM engine

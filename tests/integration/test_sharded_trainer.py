@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fp8rl.config import GRPOConfig, OptimConfig
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 HERE = Path(__file__).parent

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fp8rl.accuracy import CHECKPOINT_BYTES_PER_PARAMETER, disk_needed, model_parameters, run_study
-from fp8rl.accuracy_report import (
+from fp8rl.accuracy.report import (
     RunRecord,
     StudyReport,
     check_targets,
@@ -105,7 +105,7 @@ def test_a_short_study_on_cpu_stops_resumes_and_reports(tmp_path: Path, tiny_mod
     second that resumes and finishes, then the report from MLflow (records, plots and tables on the parent)."""
     from mlflow import MlflowClient
 
-    from fp8rl.accuracy_cli import study_configs
+    from fp8rl.accuracy.cli import study_configs
     from fp8rl.tracking import configure_mlflow
 
     config = tmp_path / "study.yaml"
@@ -193,7 +193,7 @@ def test_a_study_the_disk_cannot_hold_stops_before_any_run(
     test sets (shutil.disk_usage): a full disk is not something to make here."""
     from collections import namedtuple
 
-    from fp8rl import accuracy
+    from fp8rl.accuracy import study as accuracy
     from fp8rl.config import load_recipe, parse_run_config
 
     usage = namedtuple("usage", "total used free")
@@ -219,7 +219,7 @@ def test_the_documented_study_command_parses_into_its_runs() -> None:
     import re
     import shlex
 
-    from fp8rl.accuracy_cli import study_configs
+    from fp8rl.accuracy.cli import study_configs
     from fp8rl.cli import build_parser
 
     root = Path(__file__).parents[2]
@@ -247,7 +247,7 @@ def test_a_run_stopped_after_a_checkpoint_resumes_into_the_same_mlflow_run(
 
     from mlflow import MlflowClient
 
-    from fp8rl.accuracy import StudyRun, _launch, _stop, parent_run
+    from fp8rl.accuracy.study import StudyRun, _launch, _stop, parent_run
     from fp8rl.config import load_recipe, parse_run_config
     from fp8rl.tracking import configure_mlflow
 

@@ -10,12 +10,12 @@ import pytest
 from mlflow import MlflowClient
 
 from fp8rl.bench import throughput
-from fp8rl.bench.checkpoint_eval import evaluate_checkpoint
 from fp8rl.bench.report import COLUMNS, PLOTS, build_comparison_report, markdown_table
 from fp8rl.bench.throughput import ThroughputResult, benchmark_recipe, resolve_device
 from fp8rl.build import build_parts
 from fp8rl.config import RunConfig, load_recipe
 from fp8rl.errors import UserError
+from fp8rl.evaluation.checkpoint import evaluate_checkpoint
 from fp8rl.tracking import MlflowSink, configure_mlflow, recipe_tags, start_parent_run
 
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")

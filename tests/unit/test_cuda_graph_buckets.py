@@ -16,7 +16,7 @@ import torch
 from fp8rl.build import trainer_options
 from fp8rl.config import GRPOConfig, OptimConfig, RunConfig, load_recipe
 from fp8rl.train.graphs import LayerGraphs
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 

@@ -23,7 +23,7 @@ from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 from sharded_trainer_worker import fixed_batch  # the two-rank tests' batch
 
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 
 
 @pytest.fixture

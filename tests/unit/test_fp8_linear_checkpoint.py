@@ -20,7 +20,7 @@ from fp8rl.quant import QuantSpec
 from fp8rl.quant.block_linear import padded_rows
 from fp8rl.train import fp8_linear
 from fp8rl.train.fp8_linear import FP8TrainLinear, _placeholders, checkpoint_contexts
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 
 
 def test_the_flag_is_set_in_the_first_forward_only_and_restored() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.rollout import SamplingParams, TorchRolloutEngine
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import SequenceBatch, TorchTrainer, TrainerOptions, build_batch
 
 

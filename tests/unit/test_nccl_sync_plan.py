@@ -13,6 +13,7 @@ from fp8rl.models import make_tiny_model
 from fp8rl.models.layers import fp8_module_names
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize
 from fp8rl.sync import SyncVerificationError, requantize_for_rollout
+from fp8rl.sync.base import Payload
 from fp8rl.sync.buckets import (
     ALIGN,
     LayoutEntry,
@@ -24,7 +25,6 @@ from fp8rl.sync.buckets import (
     plan_buckets,
     unpack_bucket,
 )
-from fp8rl.sync.inprocess import Payload
 
 
 def _plain(name: str, nbytes: int) -> LayoutEntry:

@@ -1,5 +1,5 @@
 """``grpo.old_logprobs: train_forward`` against ``recompute``: the old policy's logprobs taken from the policy step's own
-forward (``fp8rl.train.policy_terms``) give the update of a separate no-grad logprob pass before the step.
+forward (``fp8rl.train.old_logprobs``) give the update of a separate no-grad logprob pass before the step.
 
 One step from the same checkpoint both ways, 10 rows in micro-batches of 4 (so the mismatch metrics and the IS weights
 are combined over three micro-batches), the engine's logprobs the trainer's plus noise (TIS caps some tokens, MIS
@@ -23,7 +23,7 @@ import torch
 
 from fp8rl.config import Correction, GRPOConfig, MISCorrection, NoCorrection, OptimConfig, TISCorrection
 from fp8rl.rl import mismatch_correction, mismatch_metrics
-from fp8rl.train.policy_terms import CORRECTION, MISMATCH, PolicyStep, RecomputedOld, TrainForwardOld, ess_metric
+from fp8rl.train.old_logprobs import CORRECTION, MISMATCH, PolicyStep, RecomputedOld, TrainForwardOld, ess_metric
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))

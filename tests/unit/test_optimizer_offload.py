@@ -13,8 +13,8 @@ import torch
 
 from fp8rl.build import trainer_options
 from fp8rl.config import ConfigError, GRPOConfig, OptimConfig, load_recipe, parse_run_config
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.optim import StateOffload
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 

@@ -11,9 +11,9 @@ from torch import nn
 from fp8rl.config import GRPOConfig, OptimConfig
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
 from fp8rl.rollout import FP8InferenceLinear, SamplingParams, TorchRolloutEngine, filter_logits
-from fp8rl.sync import InProcessWeightSync, SyncVerificationError, verify_engine_weights
+from fp8rl.sync import InProcessSync, SyncVerificationError, verify_engine_weights
 from fp8rl.train.fp8_linear import FP8TrainLinear
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 
 PROMPTS = [[5, 6, 76, 7, 84], [8, 76, 9, 84], [5, 5, 76, 5, 5, 84]]
@@ -136,8 +136,8 @@ def test_sync_is_bit_exact_and_versioned(tiny_models: dict[str, Path], precision
     after = trainer.hf_state_dict()
     changed = [k for k in after if not torch.equal(after[k], before[k])]
     assert m["grad_norm"] > 0 and len(changed) == len(after)  # every parameter moved
-    sync = InProcessWeightSync(engine, {n + ".weight" for n in engine.fp8_modules}, spec, verify=True)
-    stats = sync.push(after, version=1)
+    sync = InProcessSync(engine, lambda: after, {n + ".weight" for n in engine.fp8_modules}, spec, verify=True)
+    stats = sync.push(version=1)
     assert engine.policy_version == 1 and stats.verified
     name = "model.layers.0.mlp.up_proj.weight"
     held = engine.held_weights()[name]

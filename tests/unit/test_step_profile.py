@@ -13,7 +13,7 @@ import torch
 
 from fp8rl.cluster.groups import combine_rank_metrics
 from fp8rl.config import GRPOConfig, OptimConfig
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.step_profile import CALLS_PREFIX, METRIC_PREFIX, WALL_KEY, category
 from fp8rl.train.trainer import TorchTrainer, TrainerOptions, build_batch
 

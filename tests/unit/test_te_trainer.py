@@ -29,7 +29,7 @@ from fp8rl.config import ConfigError, GRPOConfig, OptimConfig, load_recipe, pars
 from fp8rl.errors import UserError
 from fp8rl.models.loading import load_causal_lm
 from fp8rl.quant import QuantizedTensor, QuantSpec, quantize_activation, quantize_weight
-from fp8rl.train.policy_terms import PolicyStep, RecomputedOld
+from fp8rl.train.old_logprobs import PolicyStep, RecomputedOld
 from fp8rl.train.te_recipes import (
     BLOCK_FP32_SCALES_ENV,
     CURRENT_POW2_SCALES_ENV,

@@ -28,7 +28,7 @@ from fp8rl.rollout import vllm_tp as vtp
 from fp8rl.rollout import vllm_weights as vw
 from fp8rl.rollout.base import Rollout, SamplingParams
 from fp8rl.sync import requantize_for_rollout
-from fp8rl.sync.inprocess import SyncVerificationError, verify_engine_weights
+from fp8rl.sync.base import SyncVerificationError, verify_engine_weights
 
 PRESET = TinyPreset(512, 1024, 2, 8, 4)  # hidden, intermediate, layers, heads, KV heads: whole 128-tiles at tp 2
 

@@ -37,7 +37,7 @@ def study_configs(args: argparse.Namespace) -> list[RunConfig]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fp8rl.accuracy import run_study
+    from fp8rl.accuracy.study import run_study
     from fp8rl.build import validate_inputs
 
     if args.parallel < 1:
@@ -60,8 +60,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from fp8rl.accuracy import PARENT_RUN_ID_FILE, study_dir
-    from fp8rl.accuracy_report import study_report
+    from fp8rl.accuracy.report import study_report
+    from fp8rl.accuracy.study import PARENT_RUN_ID_FILE, study_dir
 
     parent = args.parent_run_id
     if parent is None:

@@ -1,7 +1,7 @@
 """The accuracy study's report: the runs read back from MLflow, per recipe held-out accuracy at step 0 and at the end
 (mean and sample std over the seeds), the run-mean mismatch metrics, the FP8 linear counts, the published claims
 checked (``check_targets``), the curves and table logged on the parent run, and one JSON record per run
-(``study_report``).  The runs themselves: ``fp8rl.accuracy``.
+(``study_report``).  The runs themselves: ``fp8rl.accuracy.study``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp8rl.accuracy import ACCURACY, MISMATCH_METRICS, run_name
+from fp8rl.accuracy.study import ACCURACY, MISMATCH_METRICS, run_name
 from fp8rl.atomic import atomic_write_text
 from fp8rl.errors import UserError
 

@@ -1,4 +1,4 @@
-"""Weight sync by broadcast, trainer rank 0 -> rollout workers, in buckets (NCCL on GPU, gloo on CPU).
+"""The bucketed broadcast behind ``ray.sync: collective`` (``fp8rl.sync.collective``): NCCL on GPU, gloo on CPU.
 
 The trainer requantizes ONCE with the rollout recipe (``requantize_for_rollout``), so an FP8
 recipe sends FP8 bytes: 1 byte per value plus a float32 scale per 128x128 tile, against 2
@@ -36,26 +36,23 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from fp8rl.quant import QuantizedTensor, QuantSpec
+from fp8rl.quant import QuantizedTensor
 from fp8rl.rollout.base import RolloutEngine
+from fp8rl.sync.base import (
+    Payload,
+    SyncStats,
+    SyncVerificationError,
+    verify_engine_weights,
+)
 from fp8rl.sync.buckets import (
     Bucket,
     SyncLayout,
     entry_of,
     layout_mismatch,
-    layout_of,
     pack_bucket,
     payload_checksums,
     plan_buckets,
     unpack_bucket,
-)
-from fp8rl.sync.inprocess import (
-    Payload,
-    SyncStats,
-    SyncVerificationError,
-    payload_bytes,
-    requantize_for_rollout,
-    verify_engine_weights,
 )
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
@@ -303,64 +300,9 @@ def _copy_into(
         dst.copy_(value)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class NcclWeightSync:
-    """The ``WeightSync`` of trainer rank 0: requantize once, broadcast to the rollout workers.
-
-    Each rollout worker meanwhile calls ``receive_into(engine, layout, version, ...)`` on the
-    same group; ``layout(weights)`` gives the layout to hand them once, before the first push.
-    """
-
-    def __init__(
-        self,
-        fp8_weight_names: set[str],
-        spec: QuantSpec,
-        *,
-        device: torch.device | str,
-        group: SyncGroup | None = None,
-        src: int = 0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = False,
-    ) -> None:
-        self.fp8_weight_names = fp8_weight_names
-        self.spec = spec
-        self.device = torch.device(device)
-        self.group = group
-        self.src = src
-        self.bucket_bytes = bucket_bytes
-        self.verify = verify
-        # names and shapes are fixed for a run: the layout (and its fingerprint) is derived once, and
-        # every later push is checked against it
-        self._layout: SyncLayout | None = None
-
-    def layout(self, weights: Mapping[str, torch.Tensor]) -> SyncLayout:
-        """The layout every push of weights with these names and shapes has (requantizes once)."""
-        self._layout = layout_of(requantize_for_rollout(weights, self.fp8_weight_names, self.spec))
-        return self._layout
-
-    def push(self, weights: Mapping[str, torch.Tensor], version: int) -> SyncStats:
-        t0 = time.perf_counter()
-        payload = requantize_for_rollout(weights, self.fp8_weight_names, self.spec)
-        _synchronize(self.device)
-        t1 = time.perf_counter()
-        if self._layout is None:
-            self._layout = layout_of(payload)
-        broadcast_payload(
-            payload,
-            self._layout,
-            self.src,
-            self.group,
-            self.device,
-            self.bucket_bytes,
-            verify=self.verify,
-            version=version,
-        )
-        t2 = time.perf_counter()
-        return SyncStats(version, payload_bytes(payload), len(payload), t1 - t0, t2 - t1, self.verify)
 
 
 def receive_into(
@@ -390,5 +332,5 @@ def receive_into(
 
     t0 = time.perf_counter()
     header = _receive(layout, g, src, dev, version, load, engine.held_weights)
-    _synchronize(dev)
+    synchronize(dev)
     return SyncStats(header.version, layout.nbytes, len(layout), 0.0, time.perf_counter() - t0, header.verify)
