@@ -22,6 +22,7 @@ from test_real_node import (
     _stage_model,
     _start_tracking,
     _wait,
+    release,  # noqa: F401  (the chart's fixture, used by name)
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
@@ -54,7 +55,7 @@ def _stop_ray_job(cluster: Any, namespace: str, job: dict[str, Any]) -> None:
 
 
 def test_a_sigkilled_step_is_retried_and_resumes_logging_every_step_once(
-    real_cluster: Any, real_namespace: str, release: Path, tiny_models: dict[str, Path],
+    real_cluster: Any, real_namespace: str, release: Path, tiny_models: dict[str, Path],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     cluster, ns = real_cluster, real_namespace
