@@ -48,9 +48,12 @@ def _stop_ray_job(cluster: Any, namespace: str, job: dict[str, Any]) -> None:
     from ray.job_submission import JobSubmissionClient
 
     core = _core(cluster)
-    svc = core.read_namespaced_service(f"{job['status']['rayClusterName']}-head-svc", namespace)
+    # the head's Service is headless (no cluster IP): the dashboard at the head pod's own IP, which this host (the
+    # node) reaches on its CNI bridge
+    selector = f"ray.io/cluster={job['status']['rayClusterName']},ray.io/node-type=head"
+    (head,) = core.list_namespaced_pod(namespace, label_selector=selector).items
     token = base64.b64decode(core.read_namespaced_secret(RAY_TOKEN_SECRET, namespace).data["auth_token"]).decode()
-    client = JobSubmissionClient(f"http://{svc.spec.cluster_ip}:8265", headers={"Authorization": f"Bearer {token}"})
+    client = JobSubmissionClient(f"http://{head.status.pod_ip}:8265", headers={"Authorization": f"Bearer {token}"})
     client.stop_job(job["status"]["jobId"])
 
 
