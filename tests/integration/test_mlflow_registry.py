@@ -42,13 +42,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy i
 
 RECIPES = ("bf16", "fp8-e2e")
 KFP_RUN = "9e8d7c6b-kfp-run"
-# system metrics every 0.5 s: the tiny model's steps last seconds, MLflow's default interval (10 s) would log none
+# system metrics every 0.1 s: the tiny model's steps last a second or less (MLflow's default interval, 10 s, would log
+# none); at 0.5 s a CI machine logged 2 samples over the three steps, fewer than the test asks for
 RUN_CONFIG = {
     "grpo": {"prompts_per_step": 2, "group_size": 2},
     "eval_examples": 8,
     "eval_samples": 1,
     "eval_every": 1,
-    "tracking": {"system_metrics_interval_s": 0.5},
+    "tracking": {"system_metrics_interval_s": 0.1},
 }
 
 
