@@ -15,9 +15,29 @@ if [ -d .carry/trl ]; then
 fi
 python3 -c "import trl, datasets, pyarrow; print('TRL', trl.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
 echo "PRESET $preset"
-python3 scripts/bench_peer_trl.py --preset "$preset" --output-dir "$RES/peer" --work-dir /tmp/w
+date -u +"%T peer"; python3 scripts/bench_peer_trl.py --preset "$preset" --output-dir "$RES/peer" --work-dir /tmp/w
 # the FP8 linear against BF16 at every decoder linear's shape of the 1B, 3B and 8B presets (16,384-token micro-batch):
 # where an FP8 GEMM pays for its quantization
 shapes=16384x512x2048,16384x2048x2048,16384x8192x2048,16384x2048x8192,16384x1024x3072,16384x3072x3072
 shapes=$shapes,16384x8192x3072,16384x3072x8192,16384x1024x4096,16384x4096x4096,16384x14336x4096,16384x4096x14336
-timeout 300 python3 -m fp8rl bench kernels --shapes "$shapes" --json "$RES/kernels-layer-shapes.json"
+date -u +"%T kernels"; timeout 300 python3 -m fp8rl bench kernels --shapes "$shapes" --json "$RES/kernels-layer-shapes.json"
+# MLflow's system metrics of an RL run on this GPU (the one-process loop, the tiny model): the system/ keys the run
+# holds and the GPU ones' samples, from the run's own MLflow store
+date -u +"%T system metrics run"
+timeout 300 python3 -m fp8rl train --recipe fp8-e2e --steps 30 --sft-steps 100 --device cuda --work-dir /tmp/w/sysm \
+  --set tracking.system_metrics_interval_s=1 > "$RES/sysm-train.log" 2>&1 || echo "system metrics run: exit $?"
+python3 - <<'PY' || echo "system metrics: could not read the store"
+import json, os
+import mlflow
+client = mlflow.MlflowClient("sqlite:////tmp/w/sysm/mlflow.db")
+rows = []
+for exp in client.search_experiments():
+    for run in client.search_runs([exp.experiment_id]):
+        keys = sorted(k for k in run.data.metrics if k.startswith("system/"))
+        gpu = {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys if "gpu" in k}
+        rows.append({"run": run.info.run_name, "status": run.info.status, "system_keys": keys, "gpu_samples": gpu})
+        print("RUN", run.info.run_name, run.info.status, len(keys), "system keys;", sorted(gpu))
+with open(os.path.join(os.environ["RES"], "system-metrics-gpu.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+PY
+date -u +"%T done"
