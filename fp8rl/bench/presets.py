@@ -96,6 +96,16 @@ class BenchPreset:
         }  # fmt: skip
 
 
+def _one_gpu(description: str, shape: str, gpu_memory_utilization: float) -> BenchPreset:
+    """A one-GPU colocated preset (``_ONE_GPU_COLOCATED``) of the headline recipes at 64 prompts: the shape and the
+    engine's memory share are what differ between GPUs."""
+    rollout = {**_CHANNEL_KV_ROLLOUT, "gpu_memory_utilization": gpu_memory_utilization}
+    return BenchPreset(
+        description, shape=shape, recipes=HEADLINE_RECIPES, prompts=64,
+        config=_merged(_ONE_GPU_COLOCATED, {"rollout": rollout}),
+    )  # fmt: skip
+
+
 PRESETS: dict[str, BenchPreset] = {
     "llama-8b-h200x2": BenchPreset(
         "Llama-3.1-8B shape on two 141 GB GPUs (H200): FSDP2 + vLLM colocated, CUDA IPC sync, AdamW state on the "
@@ -128,29 +138,19 @@ PRESETS: dict[str, BenchPreset] = {
             },
         ),
     ),
-    "llama-8b-h200": BenchPreset(
+    "llama-8b-h200": _one_gpu(
         "Llama-3.1-8B shape on one 141 GB GPU (H200): trainer and vLLM engine colocated (the engine asleep while the "
         "trainer runs), AdamW's moments in host memory between steps, activations recomputed; bf16 against "
         "fp8-e2e-kv (block-scaled FP8 training, per-channel FP8 rollout weights, FP8 KV cache)",
         shape="llama-8b",
-        recipes=HEADLINE_RECIPES,
-        prompts=64,
-        config=_merged(
-            _ONE_GPU_COLOCATED,
-            {"rollout": {**_CHANNEL_KV_ROLLOUT, "gpu_memory_utilization": 0.55}},
-        ),
+        gpu_memory_utilization=0.55,
     ),
-    "llama-3b-h100": BenchPreset(
+    "llama-3b-h100": _one_gpu(
         "Llama-3.2-3B shape on one 80 GB GPU (H100), the largest Llama shape whose trainer fits beside the engine "
         "there (an 8B trainer's fp32 masters and gradients alone take 64 GB): the llama-8b-h200 layout; bf16 "
         "against fp8-e2e-kv",
         shape="llama-3b",
-        recipes=HEADLINE_RECIPES,
-        prompts=64,
-        config=_merged(
-            _ONE_GPU_COLOCATED,
-            {"rollout": {**_CHANNEL_KV_ROLLOUT, "gpu_memory_utilization": 0.5}},
-        ),
+        gpu_memory_utilization=0.5,
     ),
     "llama-1b-1gpu": BenchPreset(
         "Llama-3.2-1B shape on one GPU, one process: the vLLM engine (CUDA graphs) beside the trainer",
