@@ -13,12 +13,19 @@ release named ``rl``), so one compiled IR serves any release:
 | ``hf_secret`` | ``hf-token`` | key ``token`` -> ``$HF_TOKEN`` in the prepare-model step (optional) |
 
 Secrets reach the steps only as environment variables from Kubernetes Secrets, never as parameters.
+
+KFP, not the chart, creates the steps' pods: the chart's ``pipelineSteps`` section (extra env, pod annotations and
+labels, tolerations, node selector) and ``images.pullSecrets`` are compiled into every step from the values file
+given to helm (``python -m pipelines.compile --values FILE``, ``python -m pipelines.submit --values FILE``:
+``StepPods``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kfp import kubernetes
@@ -75,6 +82,110 @@ STEP_SIZES = {
 
 
 @dataclass(frozen=True)
+class StepPods:
+    """What every step's pod gets from the chart's values (``pipelineSteps`` and ``images.pullSecrets``), compiled
+    into the IR: KFP applies it on the cluster, kfp.local ignores all but the env."""
+
+    env: tuple[tuple[str, str], ...] = ()
+    annotations: tuple[tuple[str, str], ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    pull_secrets: tuple[str, ...] = ()
+
+
+NO_STEP_PODS = StepPods()
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def _section(doc: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    value = doc.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _strings(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{where}: expected a mapping of strings (quote numbers and booleans)")
+    return tuple((str(k), v) for k, v in value.items())
+
+
+def _env(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ValueError(f"{where}: expected a list of {{name, value}}")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping) or set(item) != {"name", "value"} or not isinstance(item["value"], str):
+            raise ValueError(
+                f"{where}[{i}]: expected {{name, value}} with a string value (a Secret's value reaches the steps "
+                "through the chart's Secrets, not valueFrom)"
+            )
+        out.append((str(item["name"]), item["value"]))
+    return tuple(out)
+
+
+def _tolerations(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ValueError(f"{where}: expected a list of tolerations")
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping) or not set(item) <= _TOLERATION_KEYS:
+            raise ValueError(f"{where}[{i}]: a toleration's fields are {', '.join(sorted(_TOLERATION_KEYS))}")
+    return tuple(dict(t) for t in value)
+
+
+def step_pods(doc: Mapping[str, Any], where: str = "values") -> StepPods:
+    """``StepPods`` from a chart values document (its ``pipelineSteps`` and ``images.pullSecrets``); a ValueError
+    names the field (prefixed with ``where``)."""
+    steps = _section(doc, "pipelineSteps", f"{where}: pipelineSteps")
+    w = f"{where}: pipelineSteps."
+    secrets = _section(doc, "images", f"{where}: images").get("pullSecrets") or []
+    if not isinstance(secrets, Sequence) or not all(isinstance(s, Mapping) and s.get("name") for s in secrets):
+        raise ValueError(f"{where}: images.pullSecrets: expected a list of {{name}}")
+    return StepPods(
+        env=_env(steps.get("env") or [], w + "env"),
+        annotations=_strings(steps.get("podAnnotations") or {}, w + "podAnnotations"),
+        labels=_strings(steps.get("podLabels") or {}, w + "podLabels"),
+        tolerations=_tolerations(steps.get("tolerations") or [], w + "tolerations"),
+        node_selector=dict(_strings(steps.get("nodeSelector") or {}, w + "nodeSelector")),
+        pull_secrets=tuple(str(s["name"]) for s in secrets),
+    )
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Helm's merge of values files: mappings merged key by key, anything else replaced by the later file's, a key
+    set to null removed."""
+    out = dict(base)
+    for key, value in over.items():
+        if value is None:
+            out.pop(key, None)
+            continue
+        both = isinstance(value, Mapping) and isinstance(out.get(key), Mapping)
+        out[key] = _deep_merge(out[key], value) if both else value
+    return out
+
+
+def read_step_pods(paths: Sequence[str | Path]) -> StepPods:
+    """``StepPods`` from chart values files, merged as ``helm -f A -f B`` merges them (later wins); a ValueError
+    names the file (all of them, for a field the merge made wrong) and the field."""
+    import yaml
+
+    merged: dict[str, Any] = {}
+    for path in paths:
+        try:
+            doc = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ValueError(f"{path}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not YAML: {e}") from None
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"{path}: expected a mapping of chart values")
+        step_pods(doc, str(path))  # each file's own mistakes named with its own path
+        merged = _deep_merge(merged, doc)
+    return step_pods(merged, ", ".join(map(str, paths))) if paths else StepPods()
+
+
+@dataclass(frozen=True)
 class ClusterRefs:
     """The chart objects' names, as the pipeline's parameter channels (or plain strings), and the steps' retries."""
 
@@ -85,6 +196,7 @@ class ClusterRefs:
     retries: int = DEFAULT_RETRIES
     medium: StepSize = STEP_SIZES["medium"]  # the requests of the steps that hold a model (a compile option)
     gpus: bool = True  # False: a cluster without GPUs; the GPU steps run on CPU nodes at the medium size
+    pods: StepPods = NO_STEP_PODS  # every step pod's env, metadata and placement from the chart's values
 
 
 # the env the RL step reads its pod's identity from (fp8rl.kube.rl_step.owner_pod_reference)
@@ -135,4 +247,25 @@ def on_cluster(
     if gpu:
         task.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
         kubernetes.add_toleration(task, key=GPU_RESOURCE, operator="Exists", effect="NoSchedule")
+    apply_step_pods(task, refs.pods)
+    return task
+
+
+def apply_step_pods(task: PipelineTask, pods: StepPods) -> PipelineTask:
+    """The chart's ``pipelineSteps`` and pull secrets on ``task`` (see ``StepPods``)."""
+    for name, value in pods.env:
+        task.set_env_variable(name, value)
+    for key, value in pods.annotations:
+        kubernetes.add_pod_annotation(task, key, value)
+    for key, value in pods.labels:
+        kubernetes.add_pod_label(task, key, value)
+    for t in pods.tolerations:
+        kubernetes.add_toleration(
+            task, key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
+            effect=t.get("effect"), toleration_seconds=t.get("tolerationSeconds"),
+        )  # fmt: skip
+    for key, value in pods.node_selector.items():
+        kubernetes.add_node_selector(task, key, value)
+    if pods.pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(pods.pull_secrets))
     return task

@@ -110,6 +110,23 @@ def medium_step_size(text: str | None) -> Any:
         raise UserError(f"--step-requests {e}") from None
 
 
+def step_pods(values: Sequence[str]) -> Any:
+    """``--values FILE`` (repeatable, merged as helm merges them) -> the ``StepPods`` of the chart's
+    ``pipelineSteps``; errors name the file and the field."""
+    from pipelines.cluster import read_step_pods
+
+    try:
+        return read_step_pods(values)
+    except ValueError as e:
+        raise UserError(f"--values {e}") from None
+
+
+VALUES_HELP = (
+    "a values file of the fp8rl chart (as `helm install -f`; repeatable, later wins): its pipelineSteps section "
+    "(env, podAnnotations, podLabels, tolerations, nodeSelector) and images.pullSecrets go into every step's pod"
+)
+
+
 def compile_all(
     output_dir: Path,
     names: Sequence[str] = (),
@@ -118,10 +135,11 @@ def compile_all(
     step_requests: str | None = None,
     cpu_only: bool = False,
     caching: bool = True,
+    values: Sequence[str] = (),
 ) -> list[Path]:
     from pipelines import get_pipelines
 
-    available = get_pipelines(medium=medium_step_size(step_requests), gpus=not cpu_only)
+    available = get_pipelines(medium=medium_step_size(step_requests), gpus=not cpu_only, pods=step_pods(values))
     unknown = [n for n in names if n not in available]
     if unknown:
         raise UserError(f"unknown pipeline(s) {unknown}; available: {', '.join(available)}")
@@ -165,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "2,8Gi), e.g. 500m,2Gi for small nodes",
     )
     parser.add_argument("--cpu-only", action="store_true", help=CPU_ONLY_HELP)
+    parser.add_argument("--values", action="append", default=[], metavar="FILE", help=VALUES_HELP)
     parser.add_argument(
         "--disable-caching",
         dest="caching",
@@ -181,7 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         digests = parse_digests(args.digest)
         paths = compile_all(
-            args.output_dir, args.names, args.registry, digests, args.step_requests, args.cpu_only, args.caching
+            args.output_dir,
+            args.names,
+            args.registry,
+            digests,
+            args.step_requests,
+            args.cpu_only,
+            args.caching,
+            args.values,
         )
         if args.components:
             paths += compile_components(args.output_dir / "components", args.registry, digests)

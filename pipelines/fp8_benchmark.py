@@ -20,8 +20,10 @@ from pipelines.cluster import (
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
     DEFAULT_RETRIES,
+    NO_STEP_PODS,
     STEP_SIZES,
     ClusterRefs,
+    StepPods,
     StepSize,
     on_cluster,
 )
@@ -30,7 +32,11 @@ NAME = "fp8-benchmark"
 
 
 def build(
-    parallelism: int = 0, retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"], gpus: bool = True
+    parallelism: int = 0,
+    retries: int = DEFAULT_RETRIES,
+    medium: StepSize = STEP_SIZES["medium"],
+    gpus: bool = True,
+    pods: StepPods = NO_STEP_PODS,
 ) -> Any:
     """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
     (``pipelines.get_pipelines``)."""
@@ -55,7 +61,7 @@ def build(
         hf_secret: str = DEFAULT_HF_SECRET,
     ) -> None:
         """The pipeline's parameters: the module docstring."""
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus, pods)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
             # single-output steps: kfp.local iterates only a pipeline input or a task's one `Output`, and hands a

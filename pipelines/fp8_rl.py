@@ -12,15 +12,22 @@ from pipelines.cluster import (
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
     DEFAULT_RETRIES,
+    NO_STEP_PODS,
     STEP_SIZES,
     ClusterRefs,
+    StepPods,
     StepSize,
 )
 
 NAME = "fp8-rl"
 
 
-def build(retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"], gpus: bool = True) -> Any:
+def build(
+    retries: int = DEFAULT_RETRIES,
+    medium: StepSize = STEP_SIZES["medium"],
+    gpus: bool = True,
+    pods: StepPods = NO_STEP_PODS,
+) -> Any:
     """The pipeline with ``retries`` per step (``pipelines.get_pipelines``)."""
 
     @dsl.pipeline(name=NAME, description="One FP8 precision recipe end to end, tracked in MLflow.")
@@ -42,7 +49,7 @@ def build(retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"
         hf_secret: str = DEFAULT_HF_SECRET,
     ) -> None:
         """The FP8 checkpoint is converted with ``recipe``'s scaling; the report has one row."""
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus, pods)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
             warm = stages.warm_up(NAME, stages.prepare(model_source, seed, refs), sft_steps, tracking, refs)

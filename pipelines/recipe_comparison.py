@@ -24,8 +24,10 @@ from pipelines.cluster import (
     DEFAULT_PVC,
     DEFAULT_RAYJOB_DEFAULTS,
     DEFAULT_RETRIES,
+    NO_STEP_PODS,
     STEP_SIZES,
     ClusterRefs,
+    StepPods,
     StepSize,
 )
 
@@ -33,7 +35,11 @@ NAME = "recipe-comparison"
 
 
 def build(
-    parallelism: int = 0, retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"], gpus: bool = True
+    parallelism: int = 0,
+    retries: int = DEFAULT_RETRIES,
+    medium: StepSize = STEP_SIZES["medium"],
+    gpus: bool = True,
+    pods: StepPods = NO_STEP_PODS,
 ) -> Any:
     """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
     (``pipelines.get_pipelines``)."""
@@ -61,7 +67,7 @@ def build(
         diagnose_target: float = 1.02,
     ) -> None:
         """The pipeline's parameters: the module docstring."""
-        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus)
+        refs = ClusterRefs(pvc_name, rayjob_defaults, mlflow_secret, hf_secret, retries, medium, gpus, pods)
         with dsl.ExitHandler(stages.finish(experiment, work_dir, refs)):
             tracking = stages.start(NAME, experiment, work_dir, refs)
             warm = stages.warm_up(NAME, stages.prepare(model_source, seed, refs), sft_steps, tracking, refs)

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from fp8rl.errors import UserError
-from pipelines.compile import CPU_ONLY_HELP
+from pipelines.compile import CPU_ONLY_HELP, VALUES_HELP
 from pipelines.remote import Endpoint, Submission, make_client, submit, wait
 
 HOST_ENV = "KF_PIPELINES_ENDPOINT"  # kfp.Client's own variable
@@ -184,6 +184,7 @@ def _what_options(r: argparse._ArgumentGroup) -> None:
     r.add_argument("--step-requests", default=None, metavar="CPU,MEMORY",
                    help="requests of the steps that hold a model (as pipelines.compile --step-requests)")  # fmt: skip
     r.add_argument("--cpu-only", action="store_true", help=CPU_ONLY_HELP)
+    r.add_argument("--values", action="append", default=[], metavar="FILE", help=VALUES_HELP)
     r.add_argument(
         "--digest",
         action="append",
@@ -195,7 +196,7 @@ def _what_options(r: argparse._ArgumentGroup) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pipelines import get_pipelines
-    from pipelines.compile import medium_step_size
+    from pipelines.compile import medium_step_size, step_pods
     from pipelines.local import LOCAL_PARALLELISM, LOCAL_RETRIES
     from pipelines.params import check_values, parse_params
 
@@ -204,7 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         local = args.local or not (args.host or args.kube_context or args.in_cluster)
         medium = medium_step_size(args.step_requests)
         available = get_pipelines(
-            *((LOCAL_PARALLELISM, LOCAL_RETRIES) if local else (0, None)), medium, not args.cpu_only
+            *((LOCAL_PARALLELISM, LOCAL_RETRIES) if local else (0, None)),
+            medium,
+            not args.cpu_only,
+            step_pods(args.values),
         )
         if args.pipeline not in available:
             raise UserError(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available)}")
