@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp8rl.cli_checkpoint import add_checkpoint_parsers, add_import_parsers, add_quant_args, convert_options
-from fp8rl.errors import UserError
-from fp8rl.run_flags import (
+from fp8rl.checkpoint.cli import add_checkpoint_parsers, add_import_parsers, add_quant_args, convert_options
+from fp8rl.config.flags import (
     add_device_argument,
     add_ray_arguments,
     add_recipes_argument,
@@ -18,6 +17,7 @@ from fp8rl.run_flags import (
     apply_overrides,
     apply_ray_flags,
 )
+from fp8rl.errors import UserError
 
 if TYPE_CHECKING:
     from fp8rl.config import RunConfig

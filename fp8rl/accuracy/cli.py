@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fp8rl.config.flags import add_device_argument, add_recipes_argument, add_set_argument, apply_overrides
 from fp8rl.errors import UserError
-from fp8rl.run_flags import add_device_argument, add_recipes_argument, add_set_argument, apply_overrides
 
 if TYPE_CHECKING:
     from fp8rl.config import RunConfig

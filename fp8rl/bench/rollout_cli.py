@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fp8rl.run_flags import add_device_argument, add_recipes_argument, add_set_argument, apply_overrides
+from fp8rl.config.flags import add_device_argument, add_recipes_argument, add_set_argument, apply_overrides
 
 DEFAULT_RECIPES = "bf16,fp8-rollout"
 

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl.bench.presets import PRESETS, get_preset, preset_config
-from fp8rl.errors import UserError
-from fp8rl.run_flags import (
+from fp8rl.config.flags import (
     add_device_argument,
     add_ray_arguments,
     add_recipes_argument,
@@ -21,6 +20,7 @@ from fp8rl.run_flags import (
     apply_overrides,
     apply_ray_flags,
 )
+from fp8rl.errors import UserError
 
 DEFAULT_RECIPES = "bf16,fp8-rollout,fp8-e2e"
 # the sizes without --preset (a preset brings its own; a flag given wins over both)

@@ -3,7 +3,7 @@
 - ``rayjob_template``: the typed RayJob template (the chart's ConfigMap); ``rayjob``: the builders of
   ``ray.io/v1`` RayJobs from it.
 - ``submit``: create a RayJob through the Kubernetes API and wait for it (``submit_rayjob``).
-- ``ray_jobs``: run on an existing Ray cluster through the Ray Job Submission API (``submit_to_ray_cluster``).
+- ``job_submission``: run on an existing Ray cluster through the Ray Job Submission API (``submit_to_ray_cluster``).
 - ``rl_step``: the RL step of one recipe as a RayJob: stage, submit, find its MLflow run, copy the checkpoint back.
 - ``job_failure``: why a job failed (pod statuses, events, the driver's traceback); ``errors``: how it fails.
 
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "RayJobFailed": "errors",
     "RayJobTimeout": "errors",
-    "RayClusterJobResult": "ray_jobs",
-    "submit_to_ray_cluster": "ray_jobs",
+    "RayClusterJobResult": "job_submission",
+    "submit_to_ray_cluster": "job_submission",
     "RayJobTemplate": "rayjob_template",
     "build_rayjob": "rayjob",
     "build_rayjob_for_cluster": "rayjob",
@@ -51,7 +51,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
-    from fp8rl.kube.ray_jobs import RayClusterJobResult, submit_to_ray_cluster
+    from fp8rl.kube.job_submission import RayClusterJobResult, submit_to_ray_cluster
     from fp8rl.kube.rayjob import build_rayjob, build_rayjob_for_cluster
     from fp8rl.kube.rayjob_template import RayJobTemplate, load_template, parse_template
     from fp8rl.kube.rl_step import run_rl_step_as_rayjob

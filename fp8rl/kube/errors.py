@@ -1,4 +1,4 @@
-"""How a Ray job fails, for both ways of running one (:mod:`fp8rl.kube.submit`, :mod:`fp8rl.kube.ray_jobs`).
+"""How a Ray job fails, for both ways of running one (:mod:`fp8rl.kube.submit`, :mod:`fp8rl.kube.job_submission`).
 
 A module of its own so that both paths raise the same classes without importing each other.
 """

@@ -3,7 +3,7 @@
 Pure functions over plain lines and the kubernetes client's model objects (``V1Pod``, ``CoreV1Event``),
 so they are tested on objects shaped like the API server's. :func:`extract_traceback` and
 :func:`driver_failure` serve both ways of running a job (:mod:`fp8rl.kube.submit`,
-:mod:`fp8rl.kube.ray_jobs`); :func:`diagnose` names the cause of a failed or timed-out RayJob,
+:mod:`fp8rl.kube.job_submission`); :func:`diagnose` names the cause of a failed or timed-out RayJob,
 the most specific first: ``image pull error: <image>``, ``unschedulable: <scheduler message>``,
 ``out of memory: ...``, the driver's traceback, KubeRay's own reason, other Warning events.
 """

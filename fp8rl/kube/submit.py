@@ -13,7 +13,7 @@ whose message says *why* on failure, and :class:`~fp8rl.kube.errors.RayJobTimeou
   the driver's traceback. The RayJob is deleted at the end (success, failure, timeout, Ctrl-C) unless
   ``keep=True``; deleting it makes KubeRay stop the Ray job (its ``ray.io/rayjob-finalizer``) and
   garbage-collect the RayCluster.
-- :func:`fp8rl.kube.ray_jobs.submit_to_ray_cluster` talks to a Ray dashboard through
+- :func:`fp8rl.kube.job_submission.submit_to_ray_cluster` talks to a Ray dashboard through
   ``ray.job_submission``; the job is stopped if we give up on it (timeout, Ctrl-C).
 
 Timeouts (every blocking wait has one; the defaults shared by both paths live here):
@@ -22,9 +22,9 @@ Timeouts (every blocking wait has one; the defaults shared by both paths live he
 |---|---|
 | whole job (``timeout_s``) | ``DEFAULT_TIMEOUT_S`` = 24 h (the cluster-side bound is the template's ``activeDeadlineSeconds``) |
 | one Kubernetes API call / one Ray dashboard request | ``DEFAULT_REQUEST_TIMEOUT_S`` = 30 s |
-| status poll interval | ``DEFAULT_POLL_S`` = 5 s (RayJob), ``ray_jobs.DEFAULT_RAY_POLL_S`` = 1 s (dashboard) |
+| status poll interval | ``DEFAULT_POLL_S`` = 5 s (RayJob), ``job_submission.DEFAULT_RAY_POLL_S`` = 1 s (dashboard) |
 | an image that will not pull before we give up | ``DEFAULT_IMAGE_PULL_GRACE_S`` = 300 s |
-| last log lines after the job ends | ``LOG_DRAIN_S`` = 10 s (RayJob), ``ray_jobs.TAIL_STOP_S`` = 2 s (dashboard) |
+| last log lines after the job ends | ``LOG_DRAIN_S`` = 10 s (RayJob), ``job_submission.TAIL_STOP_S`` = 2 s (dashboard) |
 
 Unschedulable pods are reported as they happen but are not fatal before the deadline: a cluster
 autoscaler may still be adding GPU nodes.

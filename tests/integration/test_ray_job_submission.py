@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from fp8rl.kube.errors import RayJobFailed, RayJobTimeout
-from fp8rl.kube.ray_jobs import submit_to_ray_cluster
+from fp8rl.kube.job_submission import submit_to_ray_cluster
 
 # A real Ray head plus five jobs: about 30-35 s on 2 CPU cores.
 pytestmark = [

@@ -361,7 +361,7 @@ def test_bench_step_ray_flags_override_the_configs_ray_section(tmp_path: Path) -
     """``fp8rl bench step`` takes the same Ray flags as ``fp8rl train`` (layout, workers, sharding, sync): the GPU
     count and layout of a benchmark without writing a config."""
     from fp8rl.cli import build_parser
-    from fp8rl.run_flags import apply_ray_flags
+    from fp8rl.config.flags import apply_ray_flags
 
     args = build_parser().parse_args(["bench", "step", "--shape", "tiny", "--layout", "split", "--sync", "collective",
                                       "--trainer-workers", "2", "--trainer-sharding", "fsdp"])  # fmt: skip
@@ -380,8 +380,8 @@ def test_set_overrides_any_run_config_field_after_the_config_and_flags(tmp_path:
     """``--set KEY=VALUE`` (``fp8rl train`` and ``fp8rl bench step``): a dotted field path and a YAML value, applied
     last; a wrong path or value is an error naming it."""
     from fp8rl.cli import _run_configs, build_parser
+    from fp8rl.config.flags import apply_overrides
     from fp8rl.errors import UserError
-    from fp8rl.run_flags import apply_overrides
 
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("steps: 5\noptim:\n  lr: 1.0e-4\n")

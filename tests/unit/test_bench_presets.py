@@ -10,9 +10,9 @@ from fp8rl.bench.presets import PRESETS
 from fp8rl.bench.step import StepBench, step_config
 from fp8rl.bench.step_cli import resolve_preset
 from fp8rl.cli import build_parser
+from fp8rl.config.flags import apply_overrides, apply_ray_flags
 from fp8rl.errors import UserError
 from fp8rl.models.shapes import SHAPES
-from fp8rl.run_flags import apply_overrides, apply_ray_flags
 
 REPO = Path(__file__).resolve().parents[2]
 

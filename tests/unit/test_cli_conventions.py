@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl import __version__, cli, cli_checkpoint
+from fp8rl import __version__, cli
+from fp8rl.checkpoint import cli as checkpoint_cli
 from fp8rl.devices import resolve_device
 from fp8rl.errors import UserError
 
@@ -106,7 +107,7 @@ def test_an_unexpected_error_is_one_line_naming_the_step(
     def boom(args: argparse.Namespace) -> int:
         raise RuntimeError("the engine died")
 
-    monkeypatch.setattr(cli_checkpoint, "_cmd_dequantize", boom)
+    monkeypatch.setattr(checkpoint_cli, "_cmd_dequantize", boom)
     assert cli.main(["dequantize", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "fp8rl dequantize: unexpected error: RuntimeError: the engine died" in err

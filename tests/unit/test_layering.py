@@ -1,5 +1,5 @@
 """The dependency rule of docs/architecture.md, on the import statements of fp8rl/: only ``fp8rl/cluster`` (and the
-Ray Job API client, ``fp8rl/kube/ray_jobs.py``) imports ray, only ``fp8rl/kube`` imports kubernetes, nothing in the
+Ray Job API client, ``fp8rl/kube/job_submission.py``) imports ray, only ``fp8rl/kube`` imports kubernetes, nothing in the
 library imports kfp; ``fp8rl.sync`` (the weight-sync transports) imports no cluster module either."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ LIBRARY = ROOT / "fp8rl"
 
 # top-level package -> the paths under fp8rl/ allowed to import it
 ALLOWED = {
-    "ray": ("cluster/", "kube/ray_jobs.py"),
+    "ray": ("cluster/", "kube/job_submission.py"),
     "kubernetes": ("kube/",),
     "kfp": (),
 }

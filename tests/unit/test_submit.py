@@ -611,7 +611,7 @@ class _FlakyJobClient:
 def test_dashboard_blip_is_retried_and_missed_log_lines_are_filled_in(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray.job_submission
 
-    from fp8rl.kube.ray_jobs import submit_to_ray_cluster
+    from fp8rl.kube.job_submission import submit_to_ray_cluster
 
     monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", _FlakyJobClient)
     lines: list[str] = []
