@@ -87,13 +87,73 @@ def prompt_dataset(prompts: list[str]) -> Any:
     return Dataset(pa.table({"prompt": prompts}), fingerprint="fp8rl-bench-peer-prompts")
 
 
+class PhaseTimer:
+    """Per-step phase times of a TRL run: ``wrap`` brackets one of the trainer's calls (``generate``, ``sync``) with
+    CUDA synchronisation and adds its time to the current step; the trainer callback from ``callback`` times each
+    optimizer step and closes it (one entry a step in ``phases``), and resets the peak-memory window after the
+    warm-up steps."""
+
+    def __init__(self, total: int, warmup: int, sampler: Any) -> None:
+        self.total, self.warmup, self.sampler = total, warmup, sampler
+        self.phases: dict[str, list[float]] = {"generate": [], "sync": [], "step": []}
+        self.in_step = {"generate": 0.0, "sync": 0.0}  # this step's so far
+        self.t0 = 0.0
+
+    @staticmethod
+    def _now() -> float:
+        import torch
+
+        if torch.cuda.is_available():  # the GPU's queued work belongs to the phase that queued it
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def wrap(self, fn: Any, key: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = self._now()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.in_step[key] += self._now() - t0
+
+        return timed
+
+    def step_begin(self) -> None:
+        self.t0 = self._now()
+
+    def step_end(self, global_step: int) -> None:
+        self.phases["step"].append(self._now() - self.t0)
+        for key in self.in_step:
+            self.phases[key].append(self.in_step[key])
+            self.in_step[key] = 0.0
+        p = self.phases
+        print(f"trl step {global_step}/{self.total}: {p['step'][-1]:.2f} s (generate {p['generate'][-1]:.2f} s, "
+              f"sync {p['sync'][-1]:.2f} s)", flush=True)  # fmt: skip
+        if global_step == self.warmup and self.sampler is not None:
+            self.sampler.peak(reset=True)
+
+    def callback(self) -> Any:
+        """A ``transformers.TrainerCallback`` calling ``step_begin`` and ``step_end``."""
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class StepTimer(TrainerCallback):  # type: ignore[misc]
+            def on_step_begin(self, *_: Any, **__: Any) -> None:
+                timer.step_begin()
+
+            def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
+                timer.step_end(state.global_step)
+
+        return StepTimer()
+
+
 def run_trl(model_dir: Path, settings: dict[str, Any], out: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer for warmup + steps optimizer steps at ``settings``; its row (medians of the timed steps)."""
     import random
 
     import torch
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from fp8rl.cluster.memory import gpu_sampler
@@ -108,55 +168,20 @@ def run_trl(model_dir: Path, settings: dict[str, Any], out: Path) -> dict[str, A
     def reward(completions: list[Any], **_: Any) -> list[float]:  # the values do not change the work
         return [rng.random() for _ in completions]
 
-    phases: dict[str, list[float]] = {"generate": [], "sync": [], "step": []}  # one entry a step
-    in_step = {"generate": 0.0, "sync": 0.0}  # this step's so far
-
-    def timed(fn: Any, key: str) -> Any:
-        def wrapper(*a: Any, **k: Any) -> Any:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                torch.cuda.synchronize()
-                in_step[key] += time.perf_counter() - t0
-
-        return wrapper
-
-    class StepTimer(TrainerCallback):  # type: ignore[misc]
-        t0 = 0.0
-
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
-            torch.cuda.synchronize()
-            phases["step"].append(time.perf_counter() - self.t0)
-            for key in in_step:
-                phases[key].append(in_step[key])
-                in_step[key] = 0.0
-            print(
-                f"trl step {state.global_step}/{total}: {phases['step'][-1]:.2f} s (generate "
-                f"{phases['generate'][-1]:.2f} s, sync {phases['sync'][-1]:.2f} s)",
-                flush=True,
-            )
-            if state.global_step == settings["warmup"] and sampler is not None:
-                sampler.peak(reset=True)
-
+    timer = PhaseTimer(total, settings["warmup"], sampler=None)
     args = GRPOConfig(**grpo_arguments(settings, out))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = GRPOTrainer(
         model=str(model_dir), reward_funcs=reward, args=args, processing_class=tokenizer,
-        train_dataset=prompt_dataset(prompts), callbacks=[StepTimer()],
+        train_dataset=prompt_dataset(prompts), callbacks=[timer.callback()],
     )  # fmt: skip
     gen = trainer.vllm_generation
-    gen.generate = timed(gen.generate, "generate")
-    gen.sync_weights = timed(gen.sync_weights, "sync")
-    sampler = gpu_sampler(torch.cuda.current_device())
+    gen.generate = timer.wrap(gen.generate, "generate")
+    gen.sync_weights = timer.wrap(gen.sync_weights, "sync")
+    timer.sampler = gpu_sampler(torch.cuda.current_device())
     trainer.train()
-    peak = sampler.peak() / 1e9 if sampler is not None else None
-    return trl_row(phases, settings, peak, trl.__version__)
+    peak = timer.sampler.peak() / 1e9 if timer.sampler is not None else None
+    return trl_row(timer.phases, settings, peak, trl.__version__)
 
 
 def grpo_arguments(settings: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """scripts/bench_peer_trl.py's table: fp8rl's rows and TRL's in one document, the speedups against both baselines,
-and TRL's settings taken from the preset.  (TRL itself runs on a GPU only: not here.)"""
+TRL's settings taken from the preset, and the phase timer TRL's trainer drives.  (TRL itself runs on a GPU only: not
+here.)"""
 
 from __future__ import annotations
 
@@ -61,3 +62,34 @@ def test_trl_gets_the_presets_batch_and_engine_settings() -> None:
     assert args["vllm_importance_sampling_correction"] is False and args["beta"] == 0.0  # as fp8rl's bf16
     prompts = peer.task_prompts(settings, 3)
     assert len(prompts) == 3 and all(p.endswith("=") for p in prompts)  # the arithmetic task's raw prompts
+
+
+def test_the_phase_timer_closes_one_entry_a_step_and_resets_the_peak_after_the_warmup() -> None:
+    """The timer as TRL's trainer drives it: its callback (a real ``transformers.TrainerCallback``) around each
+    optimizer step, the wrapped generate and sync calls inside; the row it feeds takes the timed steps."""
+    import time
+    from types import SimpleNamespace
+
+    from transformers import TrainerCallback
+
+    resets: list[bool] = []
+    sampler = SimpleNamespace(peak=lambda reset=False: resets.append(reset) or 0)
+    timer = peer.PhaseTimer(total=3, warmup=1, sampler=sampler)
+    callback = timer.callback()
+    assert isinstance(callback, TrainerCallback)
+    generate = timer.wrap(lambda n: time.sleep(0.02) or n, "generate")
+    sync = timer.wrap(lambda: time.sleep(0.01), "sync")
+    for step in (1, 2, 3):
+        callback.on_step_begin(None, SimpleNamespace(global_step=step - 1), None)
+        sync()
+        assert generate(step) == step  # the wrapped call's value comes back
+        time.sleep(0.01)  # the rest of the step: train
+        callback.on_step_end(None, SimpleNamespace(global_step=step), None)
+    assert {k: len(v) for k, v in timer.phases.items()} == {"generate": 3, "sync": 3, "step": 3}
+    gen, syn, step = timer.phases["generate"], timer.phases["sync"], timer.phases["step"]
+    assert all(g >= 0.02 and y >= 0.01 for g, y in zip(gen, syn, strict=True))
+    assert all(s > g + y for s, g, y in zip(step, gen, syn, strict=True))
+    assert resets == [True]  # once, at the end of the warm-up step
+    settings = {"warmup": 1, "steps": 2, "prompts": 2, "samples": 2, "max_tokens": 4}
+    row = peer.trl_row(timer.phases, settings, None, "1.16.0")
+    assert row["step_times"] == timer.phases["step"][1:] and row["train_s"] > 0
