@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fp8rl.accuracy.cli import add_accuracy_parser
 
     add_accuracy_parser(sub)
+    from fp8rl.tracking.cli import add_models_parser
+
+    add_models_parser(sub)
 
     p = sub.add_parser(
         "recipes", help="the built-in precision recipes: what each quantizes, and what it was measured to cost or gain"

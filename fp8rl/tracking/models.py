@@ -104,7 +104,12 @@ class Champion:
 
 def load_instructions(uri: str, tracking_uri: str) -> str:
     """How to fetch the model ``uri`` (``models:/NAME@champion``) from ``tracking_uri`` and serve it with vLLM."""
+    name = uri.removeprefix("models:/")
+    env, work = f"MLFLOW_TRACKING_URI={tracking_uri} ", ""
+    if tracking_uri.startswith("sqlite:///") and tracking_uri.endswith("/mlflow.db"):  # a work dir's own store
+        env, work = "", f" --work-dir {tracking_uri.removeprefix('sqlite:///').removesuffix('/mlflow.db')}"
     return (
+        f"  fp8rl:    {env}fp8rl models download {name} champion-model{work}\n"
         f"  download: MLFLOW_TRACKING_URI={tracking_uri} mlflow artifacts download -u {uri} -d champion-model\n"
         f"  python:   mlflow.artifacts.download_artifacts('{uri}', dst_path='champion-model')\n"
         f"  serve:    vllm serve champion-model   (a Hugging Face checkpoint directory)"
@@ -147,6 +152,82 @@ def register_champion(
     for key, value in links.items():
         client.set_tag(parent_run_id, key, value)
     return champion
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """One version of a registered fp8rl model, as ``fp8rl models`` lists it."""
+
+    name: str
+    version: str
+    aliases: tuple[str, ...]
+    recipe: str
+    accuracy: str
+    run_id: str
+    comparison_run_id: str
+
+    @property
+    def uri(self) -> str:
+        alias = self.aliases[0] if self.aliases else None
+        return f"models:/{self.name}@{alias}" if alias else f"models:/{self.name}/{self.version}"
+
+
+def registered_versions(tracking_uri: str, prefix: str = "fp8rl-") -> list[ModelVersion]:
+    """Every version of the registered models named ``prefix...`` in ``tracking_uri``'s registry, newest first
+    within a model."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    out = []
+    for model in client.search_registered_models(f"name LIKE '{prefix}%'", max_results=1000):
+        aliases: dict[str, list[str]] = {}
+        for alias, version in (model.aliases or {}).items():
+            aliases.setdefault(str(version), []).append(alias)
+        versions = client.search_model_versions(f"name = '{model.name}'", max_results=1000)
+        for v in sorted(versions, key=lambda v: -int(v.version)):
+            tags = v.tags or {}
+            out.append(ModelVersion(
+                model.name, str(v.version), tuple(sorted(aliases.get(str(v.version), []))),
+                tags.get(RECIPE_KEY, ""), tags.get(HELDOUT_ACCURACY_TAG, ""), v.run_id or "",
+                tags.get(COMPARISON_RUN_TAG, ""),
+            ))  # fmt: skip
+    return out
+
+
+def model_uri(spec: str) -> str:
+    """``NAME`` -> ``models:/NAME@champion``; ``NAME@ALIAS``, ``NAME/VERSION`` and ``models:/...`` as given."""
+    if spec.startswith("models:/"):
+        return spec
+    if not re.fullmatch(r"[A-Za-z0-9._-]+(@[A-Za-z0-9_-]+|/\d+)?", spec):
+        raise UserError(f"{spec!r}: expected NAME, NAME@ALIAS, NAME/VERSION or models:/...")
+    return f"models:/{spec}" if ("@" in spec or "/" in spec) else f"models:/{spec}@{CHAMPION_ALIAS}"
+
+
+def download_model(tracking_uri: str, uri: str, dest: str | os.PathLike[str]) -> Path:
+    """The checkpoint of model ``uri`` into ``dest`` (a new directory: written beside it, then renamed, so an
+    interrupted download leaves no half checkpoint under that name)."""
+    import shutil
+    import tempfile
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    dest = Path(dest)
+    if dest.exists():
+        raise UserError(f"{dest}: already exists; give a new directory")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        try:
+            mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp), tracking_uri=tracking_uri)
+        except MlflowException as e:
+            raise UserError(f"{uri}: {e.message}") from None
+        if not (tmp / "config.json").is_file():
+            raise UserError(f"{uri}: not an fp8rl checkpoint (no config.json among its files)")
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
