@@ -116,12 +116,18 @@ def _env(value: Any, where: str) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"{where}: expected a list of {{name, value}}")
     out = []
     for i, item in enumerate(value):
-        if not isinstance(item, Mapping) or set(item) != {"name", "value"} or not isinstance(item["value"], str):
+        if (
+            not isinstance(item, Mapping)
+            or set(item) != {"name", "value"}
+            or not isinstance(item["value"], str)
+            or not isinstance(item["name"], str)
+            or not item["name"]
+        ):
             raise ValueError(
-                f"{where}[{i}]: expected {{name, value}} with a string value (a Secret's value reaches the steps "
+                f"{where}[{i}]: expected {{name, value}}, both strings (a Secret's value reaches the steps "
                 "through the chart's Secrets, not valueFrom)"
             )
-        out.append((str(item["name"]), item["value"]))
+        out.append((item["name"], item["value"]))
     return tuple(out)
 
 
@@ -182,7 +188,7 @@ def read_step_pods(paths: Sequence[str | Path]) -> StepPods:
             raise ValueError(f"{path}: expected a mapping of chart values")
         step_pods(doc, str(path))  # each file's own mistakes named with its own path
         merged = _deep_merge(merged, doc)
-    return step_pods(merged, ", ".join(map(str, paths))) if paths else StepPods()
+    return step_pods(merged, ", ".join(map(str, paths))) if paths else NO_STEP_PODS
 
 
 @dataclass(frozen=True)
