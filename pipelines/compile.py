@@ -162,7 +162,7 @@ def compile_components(
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pipelines.compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help="pipelines to compile (default: all)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="default: %(default)s")
@@ -196,7 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also every component, as <output-dir>/components/<name>.yaml, to reuse in pipelines of your own",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         digests = parse_digests(args.digest)
         paths = compile_all(

@@ -32,12 +32,9 @@ NAME = "fp8-benchmark"
 
 
 def build(
-    parallelism: int = 0,
-    retries: int = DEFAULT_RETRIES,
-    medium: StepSize = STEP_SIZES["medium"],
-    gpus: bool = True,
+    parallelism: int = 0, retries: int = DEFAULT_RETRIES, medium: StepSize = STEP_SIZES["medium"], gpus: bool = True,
     pods: StepPods = NO_STEP_PODS,
-) -> Any:
+) -> Any:  # fmt: skip
     """The pipeline with at most ``parallelism`` recipes at a time (0: all at once) and ``retries`` per step
     (``pipelines.get_pipelines``)."""
 
