@@ -203,6 +203,23 @@ def model_uri(spec: str) -> str:
     return f"models:/{spec}" if ("@" in spec or "/" in spec) else f"models:/{spec}@{CHAMPION_ALIAS}"
 
 
+def _artifact_location(client: MlflowClient, uri: str) -> str:
+    """Where the files of model ``uri`` (``models:/NAME@ALIAS``, ``models:/NAME/VERSION`` or ``models:/<model id>``)
+    lie, read from ``client``'s own store and registry (``download_artifacts`` would resolve a ``models:/`` URI
+    through MLflow's global registry, whatever store it is given)."""
+    spec = uri.removeprefix("models:/")
+    if "@" in spec or "/" in spec:
+        name, sep, ref = spec.partition("@") if "@" in spec else spec.rpartition("/")
+        version = client.get_model_version_by_alias(name, ref) if sep == "@" else client.get_model_version(name, ref)
+        source = version.source or ""
+        model_id = version.model_id or (source.removeprefix("models:/") if source.startswith("models:/") else "")
+        if not model_id:
+            return source  # a version registered from a path: its files are there
+    else:
+        model_id = spec
+    return str(client.get_logged_model(model_id).artifact_location)
+
+
 def download_model(tracking_uri: str, uri: str, dest: str | os.PathLike[str]) -> Path:
     """The checkpoint of model ``uri`` into ``dest`` (a new directory: written beside it, then renamed, so an
     interrupted download leaves no half checkpoint under that name)."""
@@ -210,6 +227,7 @@ def download_model(tracking_uri: str, uri: str, dest: str | os.PathLike[str]) ->
     import tempfile
 
     import mlflow
+    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     dest = Path(dest)
@@ -219,12 +237,14 @@ def download_model(tracking_uri: str, uri: str, dest: str | os.PathLike[str]) ->
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         try:
-            mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp), tracking_uri=tracking_uri)
+            client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+            location = _artifact_location(client, uri)
+            got = Path(mlflow.artifacts.download_artifacts(location, dst_path=str(tmp), tracking_uri=tracking_uri))
         except MlflowException as e:
             raise UserError(f"{uri}: {e.message}") from None
-        if not (tmp / "config.json").is_file():
+        if not (got / "config.json").is_file():
             raise UserError(f"{uri}: not an fp8rl checkpoint (no config.json among its files)")
-        tmp.rename(dest)
+        got.rename(dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

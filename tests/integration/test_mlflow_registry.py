@@ -33,7 +33,7 @@ from components.evaluate import evaluate
 from components.rl_step import rl_step
 from components.runtime import read_run_ref
 from components.tracking import start_tracking
-from fp8rl.tracking.models import CHAMPION_ALIAS, CHAMPION_TAG, COMPARISON_RUN_TAG, MODEL_ID_TAG
+from fp8rl.tracking.models import CHAMPION_ALIAS, CHAMPION_TAG, COMPARISON_RUN_TAG, MODEL_ID_TAG, download_model
 from fp8rl.tracking.system_metrics import CPU_UTILIZATION, MEMORY_USED_MB
 from fp8rl.tracking.vocabulary import COMPARE_KEYS
 from scripts.mlflow_ui_shots import CHROMIUM, latest_comparison, take_shots
@@ -136,8 +136,11 @@ def test_models_system_metrics_and_compare_keys_on_a_tracking_server(compared: C
     loaded = Path(
         mlflow.artifacts.download_artifacts("models:/fp8rl-arithmetic@champion", dst_path=str(tmp_path / "dl"))
     )
+    # the same through fp8rl's own command's library call, over HTTP (mlflow-artifacts:/ locations)
+    served = download_model(url, "models:/fp8rl-arithmetic@champion", tmp_path / "served")
     for name in ("config.json", "model.safetensors"):
         assert (loaded / name).read_bytes() == (checkpoints[version.run_id] / name).read_bytes(), name
+        assert (served / name).read_bytes() == (checkpoints[version.run_id] / name).read_bytes(), name
 
 
 def _check_system_metrics(client: MlflowClient, run_id: str) -> None:

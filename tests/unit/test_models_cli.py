@@ -82,3 +82,17 @@ def test_model_specs() -> None:
     assert model_uri("models:/m/3") == "models:/m/3"
     with pytest.raises(Exception, match="expected NAME"):
         model_uri("bad name!")
+
+
+def test_download_reads_the_store_it_is_given_not_the_global_one(
+    work: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's global store and registry point elsewhere (a store without the model): the library call still reads
+    the one it is given."""
+    from fp8rl.tracking.models import download_model
+
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", other)
+    dest = download_model(f"sqlite:///{work / 'mlflow.db'}", "models:/fp8rl-arithmetic/1", tmp_path / "v1")
+    assert json.loads((dest / "config.json").read_text()) == {"recipe": "bf16"}
