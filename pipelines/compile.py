@@ -110,7 +110,7 @@ def medium_step_size(text: str | None) -> Any:
         raise UserError(f"--step-requests {e}") from None
 
 
-def step_pods(values: Sequence[str]) -> Any:
+def values_step_pods(values: Sequence[str]) -> Any:
     """``--values FILE`` (repeatable, merged as helm merges them) -> the ``StepPods`` of the chart's
     ``pipelineSteps``; errors name the file and the field."""
     from pipelines.cluster import read_step_pods
@@ -139,7 +139,7 @@ def compile_all(
 ) -> list[Path]:
     from pipelines import get_pipelines
 
-    available = get_pipelines(medium=medium_step_size(step_requests), gpus=not cpu_only, pods=step_pods(values))
+    available = get_pipelines(medium=medium_step_size(step_requests), gpus=not cpu_only, pods=values_step_pods(values))
     unknown = [n for n in names if n not in available]
     if unknown:
         raise UserError(f"unknown pipeline(s) {unknown}; available: {', '.join(available)}")

@@ -196,7 +196,7 @@ def _what_options(r: argparse._ArgumentGroup) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pipelines import get_pipelines
-    from pipelines.compile import medium_step_size, step_pods
+    from pipelines.compile import medium_step_size, values_step_pods
     from pipelines.local import LOCAL_PARALLELISM, LOCAL_RETRIES
     from pipelines.params import check_values, parse_params
 
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             *((LOCAL_PARALLELISM, LOCAL_RETRIES) if local else (0, None)),
             medium,
             not args.cpu_only,
-            step_pods(args.values),
+            values_step_pods(args.values),
         )
         if args.pipeline not in available:
             raise UserError(f"unknown pipeline {args.pipeline!r}; available: {', '.join(available)}")
