@@ -15,6 +15,19 @@ def fp8rl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fp8rl", *args], capture_output=True, text=True)
 
 
+def test_commands_that_load_no_model_start_without_torch() -> None:
+    """``fp8rl --help``, ``recipes``, ``accuracy``, ``models`` parse and answer without importing torch or
+    transformers (about 5 s on a 2-core machine): the sub-commands import what they run."""
+    code = (
+        "import sys; from fp8rl.cli import main; main(['recipes']); "
+        "heavy = sorted(m for m in ('torch', 'transformers', 'mlflow', 'ray') if m in sys.modules); "
+        "print('HEAVY', heavy)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout and "fp8-e2e" in r.stdout
+
+
 def test_make_convert_dequantize(tmp_path: Path) -> None:
     model, fp8, deq = tmp_path / "m", tmp_path / "fp8", tmp_path / "deq"
     assert fp8rl("make-model", str(model), "--preset", "tiny").returncode == 0

@@ -374,3 +374,11 @@ def test_vllm_refuses_the_recipes_whose_options_differ(quant: dict[str, object])
     assert vllm_recipe_problem(recipe) is not None  # serving_checkpoint stops at check_recipe_supported
     if "act_block" not in quant:  # act_block is a rollout setting, not part of the checkpoint
         assert ConvertOptions(recipe.quant).record() != vllm_serving_options(recipe)
+
+
+def test_the_package_names_load_their_modules_on_first_use() -> None:
+    import fp8rl.checkpoint as ckpt
+
+    assert all(getattr(ckpt, name) is not None for name in ckpt.__all__)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        ckpt.no_such_name  # noqa: B018
