@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fp8rl.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # model_type values whose decoder layers are named model.layers.N.{self_attn,mlp}.*_proj.  gemma3_text is Gemma 3's
 # text-only causal LM (Gemma3ForCausalLM, e.g. Gemma-3-270M/1B); the multimodal gemma3 nests it under
@@ -47,11 +49,15 @@ def load_causal_lm(
     path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
     """Load a supported local causal LM (never downloads)."""
+    from transformers import AutoModelForCausalLM  # here: 2-3 s to import, and read_model_config's users need none
+
     read_model_config(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
     return model.to(device)  # type: ignore[arg-type]
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     read_model_config(path)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -15,17 +15,23 @@ def fp8rl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fp8rl", *args], capture_output=True, text=True)
 
 
-def test_commands_that_load_no_model_start_without_torch() -> None:
+def test_commands_that_load_no_model_start_without_torch(tmp_path: Path) -> None:
     """``fp8rl --help``, ``recipes``, ``accuracy``, ``models`` parse and answer without importing torch or
-    transformers (about 5 s on a 2-core machine): the sub-commands import what they run."""
-    code = (
-        "import sys; from fp8rl.cli import main; main(['recipes']); "
-        "heavy = sorted(m for m in ('torch', 'transformers', 'mlflow', 'ray') if m in sys.modules); "
-        "print('HEAVY', heavy)"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "HEAVY []" in r.stdout and "fp8-e2e" in r.stdout
+    transformers (about 5 s on a 2-core machine), and ``convert`` without transformers: the sub-commands import
+    what they run."""
+
+    def heavy_after(argv: list[str]) -> str:
+        code = (
+            f"import sys; from fp8rl.cli import main; rc = main({argv!r}); "
+            "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'mlflow', 'ray') if m in sys.modules), rc)"
+        )
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+
+    out = heavy_after(["recipes"])
+    assert "HEAVY [] 0" in out and "fp8-e2e" in out
+    model = tmp_path / "m"
+    assert fp8rl("make-model", str(model)).returncode == 0
+    assert "HEAVY ['torch'] 0" in heavy_after(["convert", str(model), str(tmp_path / "fp8")])
 
 
 def test_make_convert_dequantize(tmp_path: Path) -> None:
