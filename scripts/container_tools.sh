@@ -24,7 +24,10 @@ for opt in "$@"; do
         packages=(chromium ca-certificates) ;;
     --kfp)
         tools+=(/usr/sbin/mariadbd mariadb-install-db git npm)
-        packages+=(mariadb-server git npm) ;;
+        packages+=(mariadb-server git)
+        # npm only where none is on PATH: a Node.js from elsewhere (NodeSource's) brings its own npm, and Debian's
+        # npm package conflicts with it ("held broken packages")
+        command -v npm >/dev/null || packages+=(npm) ;;
     --check) check=1 ;;
     *) echo "container_tools.sh: unknown option $opt (--node, --ui, --ui-only, --kfp, --check)" >&2; exit 2 ;;
     esac
