@@ -9,7 +9,8 @@ driver, launcher and argoexec images) and the backend build of scripts/kfp_backe
 the MLMD server's environment (``$TOOLS/mlmd-venv``): ``make e2e`` has prepare.py make them.  It starts, as host processes logging under a work directory: MariaDB, SeaweedFS's S3
 gateway, the MLMD server (mlmd_server.py), KFP's API server (its driver and launcher images set), persistence agent
 and ScheduledWorkflow controller, and Argo's workflow-controller (its executor image set).  Pods reach them through
-tests/cluster/kfp_backend.py's Services in ``kubeflow``.  It installs the chart (release ``rl``, namespace
+tests/cluster/kfp_backend.py's Services in ``kubeflow``, a namespace that enforces Pod Security Standards
+``restricted`` (Argo's executor containers locked down as KFP's own installation does).  It installs the chart (release ``rl``, namespace
 ``kubeflow``, ``ci/local-cluster-values.yaml``; hostPath volumes), then for each pipeline: submits it with CPU
 settings, waits for SUCCEEDED, and checks in the release's MLflow that the run's parent run and every child run
 are FINISHED.  For each it prints ``E2E OK <pipeline> kfp-run=<id> mlflow-parent=<id> (<s> s)``, and last
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "cluster"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kfp_backend import KUBEFLOW_NAMESPACE, BackendSettings, HostPorts, backend_manifests  # noqa: E402
+from kfp_backend import KUBEFLOW_NAMESPACE, RESTRICTED, BackendSettings, HostPorts, backend_manifests  # noqa: E402
 from real_node import CPU_RAY_RUN_CONFIG, host_ip  # noqa: E402
 from smoke_apiserver import db_config, start_mariadb  # noqa: E402
 from ui import missing_build, start_ui, ui_env  # noqa: E402
@@ -285,6 +286,10 @@ def start_controllers(procs: Processes, settings: BackendSettings, env: dict[str
         if proc.poll() is not None:
             raise SystemExit(f"e2e: {what} exited ({proc.returncode}); its log {log}:\n{log.read_text()[-3000:]}")
     say("persistence agent, ScheduledWorkflow controller and Argo's workflow-controller started")
+    labels = json.loads(kubectl("get", "namespace", KUBEFLOW_NAMESPACE, "-o", "json").stdout)["metadata"]["labels"]
+    if any(labels.get(k) != v for k, v in RESTRICTED.items()):
+        raise SystemExit(f"e2e: namespace {KUBEFLOW_NAMESPACE} does not enforce Pod Security 'restricted': {labels}")
+    say(f"{KUBEFLOW_NAMESPACE} enforces Pod Security Standards 'restricted': every pod of the runs must pass it")
 
 
 def install_chart(work: Path) -> dict[str, str]:

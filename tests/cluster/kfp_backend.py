@@ -17,11 +17,28 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 KUBEFLOW_NAMESPACE = "kubeflow"
 RUNNER_SERVICE_ACCOUNT = "pipeline-runner"
 MINIO_SECRET = "mlpipeline-minio-artifact"
 LAUNCHER_CONFIGMAP = "kfp-launcher"
 ARGO_CONFIGMAP = "workflow-controller-configmap"
+# Pod Security Standards "restricted" on the kubeflow namespace, enforced (the API server refuses any pod that is
+# not) and warned and audited at the same level: where `make e2e`'s runs go, as on a shared cluster. No pod of KFP's
+# own runs there (its services are host processes); a run's pods do: Argo's, KFP's driver and launcher, the steps,
+# the chart's and the RayJobs'.
+RESTRICTED = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")}
+# Argo's executor containers (init, wait) in every run's pod: Argo gives them no securityContext of its own, so
+# without this a restricted namespace refuses the pods. The values are those of KFP's own installation manifests
+# (its workflow-controller-configmap), the user their image runs as (scripts/kfp_backend/Dockerfile.kfp).
+ARGO_EXECUTOR = {
+    "imagePullPolicy": "IfNotPresent",
+    "securityContext": {
+        "runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+    },
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -77,7 +94,7 @@ def _meta(name: str, namespace: str) -> dict[str, Any]:
 def backend_manifests(s: BackendSettings) -> list[dict[str, Any]]:
     """The objects, in apply order (namespaces first)."""
     objs: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUBEFLOW_NAMESPACE}},
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUBEFLOW_NAMESPACE, "labels": RESTRICTED}},
     ]
     for name, ports in s.ports.services().items():
         objs.append({
@@ -92,7 +109,7 @@ def backend_manifests(s: BackendSettings) -> list[dict[str, Any]]:
         })  # fmt: skip
     # Argo's controller exits without its ConfigMap; the executor's image comes from its --executor-image flag.
     objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(ARGO_CONFIGMAP, KUBEFLOW_NAMESPACE),
-                 "data": {}})  # fmt: skip
+                 "data": {"executor": yaml.safe_dump(ARGO_EXECUTOR, sort_keys=False)}})  # fmt: skip
     ns = s.run_namespace
     objs.append({
         "apiVersion": "v1", "kind": "Secret", "metadata": _meta(MINIO_SECRET, ns), "type": "Opaque",

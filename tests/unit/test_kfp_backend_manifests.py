@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from tests.cluster.kfp_backend import BackendSettings, HostPorts, backend_manifests
 
@@ -25,7 +26,19 @@ def test_services_point_at_the_node_on_kfp_ports() -> None:
     assert {p["port"] for p in eps["ml-pipeline"]["subsets"][0]["ports"]} == {8887, 8888}
     svcs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
     assert all("selector" not in s["spec"] for s in svcs.values())
-    assert objs[0] == {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kubeflow"}}
+    assert objs[0]["kind"] == "Namespace" and objs[0]["metadata"]["name"] == "kubeflow"
+
+
+def test_the_kubeflow_namespace_is_restricted_and_argos_executor_fits_it() -> None:
+    """Pod Security Standards ``restricted`` on the namespace a run's pods go to in ``make e2e``, and Argo's executor
+    containers (init, wait) locked down as that level requires: Argo gives them no securityContext of its own."""
+    objs = backend_manifests(_settings())
+    labels = objs[0]["metadata"]["labels"]
+    assert {labels[f"pod-security.kubernetes.io/{m}"] for m in ("enforce", "warn", "audit")} == {"restricted"}
+    (argo,) = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "workflow-controller-configmap"]
+    sc = yaml.safe_load(argo["data"]["executor"])["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
 def test_run_namespace_gets_secret_launcher_config_and_executor_rights() -> None:
