@@ -142,6 +142,16 @@ def pause_image_archive(workdir: Path) -> Path:
 # ------------------------------------------------------------------------------------------ config files
 
 
+def cri_ready(socket_path: Path) -> bool:
+    """Whether containerd's CRI service answers ``RuntimeService/Version`` (an empty request: the message's one
+    field left unset; the reply is not decoded); raises while it is not initialized."""
+    import grpc  # ray[default]'s
+
+    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+        channel.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5)
+    return True
+
+
 def containerd_config(root: Path, state: Path, socket_path: Path, cni_conf: Path) -> str:
     return f"""version = 2
 root = "{root}"
@@ -402,6 +412,9 @@ class RealNode:
         (self.workdir / "cni" / "10-fp8rl.conflist").write_text(json.dumps(cni_conflist(self.workdir / "cni-ipam")))
         self._spawn("containerd", "containerd", "--config", conf)
         self._wait("containerd", lambda: self.socket.exists() and self.ctr("version").returncode == 0, 60, "containerd")
+        # containerd serves before its CRI service has recovered the store's state (seconds when the store holds
+        # many earlier pods), and a kubelet started then exits: "server is not initialized yet"
+        self._wait("containerd's CRI service", lambda: cri_ready(self.socket), 120, "containerd")
         if not self.has_image(PAUSE_IMAGE):
             self.ctr("images", "import", "--no-unpack", str(pause_image_archive(self.workdir)))
 
