@@ -1,14 +1,15 @@
 """FP8 checkpoint conversion: HF safetensors <-> FP8 checkpoints that vLLM and transformers load natively.
 
 The names below load their module on first use (PEP 562): ``fp8rl.checkpoint.cli`` is imported by every ``fp8rl``
-command, and the conversion's modules bring in torch and transformers (about 5 s), which ``fp8rl --help``,
-``fp8rl recipes`` or ``fp8rl accuracy report`` do not need.
+command, and the conversion's modules bring in torch (1-2 s), which ``fp8rl --help``, ``fp8rl recipes`` or
+``fp8rl accuracy report`` do not need.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8rl.lazy import lazy_names
 
 if TYPE_CHECKING:
     from fp8rl.checkpoint.convert import MANIFEST_NAME, REPORT_JSON, REPORT_MD, ConvertOptions, convert_checkpoint
@@ -43,10 +44,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _HOME)

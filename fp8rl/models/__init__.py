@@ -7,8 +7,9 @@ The names below load their module on first use (PEP 562): a module that needs on
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from fp8rl.lazy import lazy_names
 
 if TYPE_CHECKING:
     from fp8rl.models.loading import (
@@ -53,10 +54,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _HOME.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _HOME)

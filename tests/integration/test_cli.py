@@ -16,9 +16,9 @@ def fp8rl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_commands_that_load_no_model_start_without_torch(tmp_path: Path) -> None:
-    """``fp8rl --help``, ``recipes``, ``accuracy``, ``models`` parse and answer without importing torch or
-    transformers (about 5 s on a 2-core machine), and ``convert`` without transformers: the sub-commands import
-    what they run."""
+    """``fp8rl recipes`` answers without importing torch, transformers, MLflow or Ray (torch and transformers alone
+    took about 5 s on a 2-core machine), and ``convert`` imports torch but not transformers: the sub-commands
+    import what they run."""
 
     def heavy_after(argv: list[str]) -> str:
         code = (
